@@ -1,0 +1,42 @@
+# The two commands: `make serve` and `make test`. Everything else is setup they share.
+PY ?= python3.11
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: test serve generate lint typecheck bench model clean
+
+$(BIN)/python:
+	$(shell command -v $(PY) >/dev/null 2>&1 && echo $(PY) || echo python3) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+
+$(STAMP): pyproject.toml | $(BIN)/python
+	$(BIN)/pip install --quiet torch==2.13.0
+	$(BIN)/pip install --quiet -e '.[test]'
+	touch $(STAMP)
+
+model: $(STAMP)
+	$(BIN)/kvfence fetch-model
+
+test: model
+	$(BIN)/ruff check kvfence tests bench
+	$(BIN)/mypy
+	$(BIN)/pytest -q
+
+serve: model
+	@echo "The OpenAI-compatible server is not built yet (issue 3). Meanwhile:"
+	@echo "  $(BIN)/kvfence generate --chat --prompt 'What is a KV cache?'"
+	$(BIN)/kvfence generate --chat --prompt "What is a KV cache?"
+
+lint: $(STAMP)
+	$(BIN)/ruff format --check kvfence tests bench
+	$(BIN)/ruff check kvfence tests bench
+
+typecheck: $(STAMP)
+	$(BIN)/mypy
+
+bench: model
+	$(BIN)/python bench/engine.py
+
+clean:
+	rm -rf $(VENV) *.egg-info
