@@ -1,0 +1,5 @@
+import sys
+
+from kvfence.cli import main
+
+sys.exit(main())

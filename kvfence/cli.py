@@ -1,0 +1,123 @@
+"""`kvfence` command line: fetch-model, generate (serve comes with the HTTP server)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from kvfence.faults import Faults
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    from kvfence.model.fetch import DEFAULT_MODEL_PATH
+
+    p.add_argument("--model", default=str(DEFAULT_MODEL_PATH), help="GGUF file or Hugging Face directory")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="cpu", help="cpu or cuda")
+    p.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
+    pool = p.add_mutually_exclusive_group()
+    pool.add_argument("--kv-pages", type=int, default=None, help="KV pool size in pages")
+    pool.add_argument("--kv-cache-memory", type=float, default=None, help="KV pool size in GiB (default 1)")
+    p.add_argument("--context-length", type=int, default=None, help="lower the model's context length")
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
+    p.add_argument(
+        "--no-integrity-checks", action="store_true", help="debug/benchmark only: skip I1 checks and tag stamping"
+    )
+
+
+def engine_config_from_args(args: argparse.Namespace):  # -> EngineConfig
+    from kvfence.engine.config import EngineConfig
+
+    return EngineConfig(
+        model=args.model,
+        dtype=args.dtype,
+        device=args.device,
+        page_size=args.page_size,
+        kv_pages=args.kv_pages,
+        kv_cache_memory=args.kv_cache_memory,
+        context_length=args.context_length,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        integrity_checks=not args.no_integrity_checks,
+        num_threads=args.threads,
+        faults=Faults.from_env(),
+    )
+
+
+def cmd_fetch_model(args: argparse.Namespace) -> int:
+    from kvfence.model.fetch import fetch_model
+
+    path = fetch_model(verify=args.verify)
+    print(path)
+    return 0
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from kvfence.engine.llm_engine import LLMEngine
+    from kvfence.engine.request import SamplingParams
+
+    engine = LLMEngine(engine_config_from_args(args))
+    prompt = args.prompt
+    if args.chat:
+        prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+    params = SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+    )
+    start = time.perf_counter()
+    first: float | None = None
+    out = None
+    for out in engine.stream(prompt, params):
+        if first is None:
+            first = time.perf_counter()
+        sys.stdout.write(out.new_text)
+        sys.stdout.flush()
+    end = time.perf_counter()
+    assert out is not None and first is not None
+    n = out.num_output_tokens
+    decode_rate = (n - 1) / (end - first) if n > 1 and end > first else float("nan")
+    print(
+        f"\n\n[{out.num_prompt_tokens} prompt tokens, {n} generated, finish={out.finish_reason}; "
+        f"time to first token {first - start:.2f}s, {decode_rate:.1f} tokens/s]",
+        file=sys.stderr,
+    )
+    return 0 if out.error_code is None else 1
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvfence", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("fetch-model", help="download the default model (SmolLM2-135M-Instruct GGUF) into the cache")
+    p.add_argument("--verify", action="store_true", help="re-check the sha256 even if the file is cached")
+    p.set_defaults(func=cmd_fetch_model)
+
+    p = sub.add_parser("generate", help="generate text for one prompt, streaming it, and print tokens/s")
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--seed", type=int, default=None)
+    add_engine_args(p)
+    p.set_defaults(func=cmd_generate)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    import logging
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    args = build_parser().parse_args(argv)
+    return int(args.func(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,32 @@
+"""I5, admission before allocation: the one place that decides whether a request may enter the engine.
+
+Called with token counts only, before a `Request` is queued and before any page is leased. A request that fails
+here never holds a page and is never seen by the scheduler.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvfence.engine.errors import ContextLengthExceeded, EmptyPromptError, PoolCapacityExceeded
+from kvfence.engine.request import SamplingParams
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    context_length: int  # advertised: prompt + max_tokens must fit
+    pool_pages: int  # the smallest pool any stage that must hold this request has
+    page_size: int
+
+
+def admit(num_prompt_tokens: int, params: SamplingParams, limits: Limits) -> None:
+    """Raise an `AdmissionError` subclass if the request can never run; return None if it can."""
+    if num_prompt_tokens < 1:
+        raise EmptyPromptError()
+    total = num_prompt_tokens + params.max_tokens
+    if total > limits.context_length:
+        raise ContextLengthExceeded(num_prompt_tokens, params.max_tokens, limits.context_length)
+    # A request whose whole sequence cannot fit the pool would preempt itself forever: refuse it now.
+    num_pages = -(-total // limits.page_size)
+    if num_pages > limits.pool_pages:
+        raise PoolCapacityExceeded(total, num_pages, limits.pool_pages, limits.page_size)

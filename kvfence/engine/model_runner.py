@@ -1,0 +1,139 @@
+"""The model runner: turns a `Plan` into tensors, runs one forward step, samples, and reports what it wrote.
+
+Boundary: the only engine module that touches torch. It owns the model and the KV tensors (`PagedKV`) and
+writes K/V only at the slots the plan's block tables give it. It reports, per request, which pages it actually
+wrote, so the engine stamps tags from the write path itself rather than from the plan's intentions.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvfence.engine.plan import Plan, StepResult
+from kvfence.faults import Faults
+from kvfence.ids import PageId, RequestId
+from kvfence.model.config import ModelConfig
+from kvfence.model.llama import AttentionMetadata, LlamaForCausalLM, PagedKV, PrefillSeq
+from kvfence.model.sampler import Sampler
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        num_pages: int,
+        page_size: int,
+        dtype: torch.dtype,
+        device: str,
+        faults: Faults | None = None,
+        seed: int = 0,
+    ) -> None:
+        self.model = model
+        self.config: ModelConfig = model.config
+        self.page_size = page_size
+        self.device = device
+        # one page more than the pool: a scratch sink that only the drop_write fault knob ever writes to
+        self.cache = PagedKV(self.config, num_pages + 1, page_size, dtype, device)
+        self._sink_slot = num_pages * page_size
+        self.sampler = Sampler(device, seed)
+        self.faults = faults or Faults()
+
+    def run(self, plan: Plan) -> StepResult:
+        token_ids, meta, written = self._prepare(plan)
+        logits = self.model(token_ids, meta, self.cache)  # [N, V]
+        sample_rows = [row for row in plan.rows if row.sample]
+        if not sample_rows:
+            return StepResult(sampled={}, written_pages=written)
+        tokens, logprobs = self.sampler(
+            logits, [r.params for r in sample_rows], [r.num_generated for r in sample_rows]
+        )
+        token_list = tokens.tolist()
+        sampled = {r.request_id: t for r, t in zip(sample_rows, token_list, strict=True)}
+        top = self._logprobs(sample_rows, tokens, logprobs)
+        return StepResult(sampled=sampled, written_pages=written, logprobs=top)
+
+    def _prepare(self, plan: Plan) -> tuple[torch.Tensor, AttentionMetadata, dict[RequestId, tuple[PageId, ...]]]:
+        S, dev = self.page_size, self.device
+        tokens: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        prefills: list[PrefillSeq] = []
+        decode_rows: list[int] = []
+        sample_idx: list[int] = []
+        written: dict[RequestId, tuple[PageId, ...]] = {}
+        for i, row in enumerate(plan.rows):
+            q_start = len(tokens)
+            tokens.extend(row.token_ids)
+            pos = range(row.start_pos, row.context_len)
+            positions.extend(pos)
+            slots.extend(row.pages[p // S] * S + p % S for p in pos)
+            first, last = row.start_pos // S, (row.context_len - 1) // S
+            written[row.request_id] = row.pages[first : last + 1]
+            if row.num_new_tokens == 1:
+                decode_rows.append(i)
+            else:
+                pages = torch.tensor(row.pages, dtype=torch.long, device=dev)
+                prefills.append(PrefillSeq(q_start, row.num_new_tokens, row.start_pos, pages))
+            if row.sample:
+                sample_idx.append(len(tokens) - 1)
+        slot_tensor = torch.tensor(slots, dtype=torch.long, device=dev)
+        self._maybe_drop_write(plan, slot_tensor, written)
+        meta = AttentionMetadata(
+            positions=torch.tensor(positions, dtype=torch.long, device=dev),
+            slot_mapping=slot_tensor,
+            prefills=prefills,
+            decode_idx=None,
+            decode_pages=None,
+            decode_mask=None,
+            sample_idx=torch.tensor(sample_idx, dtype=torch.long, device=dev),
+        )
+        if decode_rows:
+            self._prepare_decode(plan, decode_rows, meta)
+        return torch.tensor(tokens, dtype=torch.long, device=dev), meta, written
+
+    def _prepare_decode(self, plan: Plan, decode_rows: list[int], meta: AttentionMetadata) -> None:
+        S, dev = self.page_size, self.device
+        rows = [plan.rows[i] for i in decode_rows]
+        max_pages = max(len(r.pages) for r in rows)
+        table = [list(r.pages) + [0] * (max_pages - len(r.pages)) for r in rows]
+        ctx = torch.tensor([r.context_len for r in rows], dtype=torch.long, device=dev)
+        flat_idx, offset = [], 0
+        for row in plan.rows:
+            offset += row.num_new_tokens
+            if row.num_new_tokens == 1:
+                flat_idx.append(offset - 1)
+        meta.decode_idx = torch.tensor(flat_idx, dtype=torch.long, device=dev)
+        meta.decode_pages = torch.tensor(table, dtype=torch.long, device=dev)
+        # decode_mask: [B, 1, 1, max_pages * S]; padding pages point at page 0 and are masked out
+        meta.decode_mask = (torch.arange(max_pages * S, device=dev).unsqueeze(0) < ctx.unsqueeze(1))[:, None, None]
+
+    def _maybe_drop_write(
+        self, plan: Plan, slots: torch.Tensor, written: dict[RequestId, tuple[PageId, ...]]
+    ) -> None:
+        """Fault knob `drop_write`: the first page a prefill row writes is silently not written (its slots are
+        redirected to a scratch page outside the pool), and the runner does not report it as written."""
+        if not self.faults.any_armed:
+            return
+        offset = 0
+        for row in plan.rows:
+            full_page = row.start_pos % self.page_size == 0 and row.num_new_tokens > self.page_size
+            if full_page and self.faults.fire("drop_write"):
+                slots[offset : offset + self.page_size] = self._sink_slot
+                written[row.request_id] = written[row.request_id][1:]
+                return
+            offset += row.num_new_tokens
+
+    def _logprobs(
+        self, rows: list, tokens: torch.Tensor, logprobs: torch.Tensor
+    ) -> dict[RequestId, tuple[float, tuple[tuple[int, float], ...]]] | None:
+        wanted = [(i, r) for i, r in enumerate(rows) if r.params.logprobs is not None]
+        if not wanted:
+            return None
+        out = {}
+        for i, row in wanted:
+            chosen = float(logprobs[i, tokens[i]])
+            k = row.params.logprobs
+            top = logprobs[i].topk(k) if k else None
+            pairs = tuple(zip(top.indices.tolist(), top.values.tolist(), strict=True)) if top is not None else ()
+            out[row.request_id] = (chosen, pairs)
+        return out

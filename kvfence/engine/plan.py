@@ -1,0 +1,52 @@
+"""The frozen hand-off from scheduler to model runner: which tokens to run for which request, and where their
+K/V lives. Plain data; the runner turns it into tensors and returns sampled token ids."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvfence.engine.request import SamplingParams
+from kvfence.ids import LeaseId, PageId, RequestId
+
+
+@dataclass(frozen=True, slots=True)
+class PlanRow:
+    request_id: RequestId
+    token_ids: tuple[int, ...]  # the new tokens to run this step (one for decode, a chunk for prefill)
+    start_pos: int  # position of token_ids[0]; K/V of positions [0, start_pos) are already cached
+    pages: tuple[PageId, ...]  # block table covering positions [0, start_pos + len(token_ids))
+    leases: tuple[LeaseId, ...]  # the request's lease on each page, for stamping what the step writes
+    sample: bool  # the chunk ends at the last known token, so the step produces the next one
+    params: SamplingParams
+    num_generated: int  # output tokens so far; with a seed, makes sampling independent of batching
+
+    @property
+    def num_new_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def context_len(self) -> int:
+        return self.start_pos + len(self.token_ids)
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    rows: tuple[PlanRow, ...]
+    step: int
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(row.num_new_tokens for row in self.rows)
+
+    @property
+    def all_pages(self) -> list[PageId]:
+        return [p for row in self.rows for p in row.pages]
+
+
+@dataclass(frozen=True, slots=True)
+class StepResult:
+    """What the runner did: the token sampled for each sampling row, and the pages each row actually wrote."""
+
+    sampled: dict[RequestId, int]
+    written_pages: dict[RequestId, tuple[PageId, ...]]
+    logprobs: dict[RequestId, tuple[float, tuple[tuple[int, float], ...]]] | None = None

@@ -1,0 +1,145 @@
+"""Requests: sampling parameters, the lifecycle state machine, and per-request KV bookkeeping.
+
+Lifecycle (legal transitions in `TRANSITIONS`; anything else is a bug and raises):
+
+    NEW --admit--> WAITING --schedule--> RUNNING --> FINISHED
+     |               ^  |                  |  |
+     |               |  +--> AWAITING_KV --+  +--> TRANSFERRING --> FINISHED      (PD: decode / prefill side)
+     |               +---- preempt --------+
+     +--> REJECTED  (terminal; never holds a page)
+    any live state --> FAILED (integrity or internal error) | ABORTED (client, timeout)
+
+Pages are held as parallel lists `pages` / `leases`; index i covers token positions [i*P, (i+1)*P).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+from kvfence.engine.errors import InvalidSamplingParams
+from kvfence.ids import LeaseId, PageId, RequestId
+from kvfence.kv.pool import Lease
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 1.0  # 0 means greedy
+    top_p: float = 1.0
+    top_k: int | None = None
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None  # number of top logprobs to return per token (0 = only the sampled token)
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise InvalidSamplingParams("max_tokens", f"max_tokens must be at least 1, got {self.max_tokens}")
+        if not 0.0 <= self.temperature <= 2.0:
+            raise InvalidSamplingParams("temperature", f"temperature must be in [0, 2], got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise InvalidSamplingParams("top_p", f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k is not None and self.top_k < 1:
+            raise InvalidSamplingParams("top_k", f"top_k must be at least 1, got {self.top_k}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+            raise InvalidSamplingParams("logprobs", f"logprobs must be in [0, 20], got {self.logprobs}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+
+class RequestState(Enum):
+    NEW = "new"
+    WAITING = "waiting"
+    RUNNING = "running"
+    AWAITING_KV = "awaiting_kv"  # PD decode side: pages reserved, KV transfer in progress
+    TRANSFERRING = "transferring"  # PD prefill side: KV computed, frames being sent
+    FINISHED = "finished"
+    FAILED = "failed"
+    ABORTED = "aborted"
+    REJECTED = "rejected"
+
+    @property
+    def terminal(self) -> bool:
+        return self in _TERMINAL
+
+
+_TERMINAL = {RequestState.FINISHED, RequestState.FAILED, RequestState.ABORTED, RequestState.REJECTED}
+_ENDS = {RequestState.FAILED, RequestState.ABORTED}
+S = RequestState
+TRANSITIONS: dict[RequestState, frozenset[RequestState]] = {
+    S.NEW: frozenset({S.WAITING, S.REJECTED}),
+    S.WAITING: frozenset({S.RUNNING, S.AWAITING_KV} | _ENDS),
+    S.RUNNING: frozenset({S.WAITING, S.TRANSFERRING, S.FINISHED} | _ENDS),
+    S.AWAITING_KV: frozenset({S.RUNNING} | _ENDS),
+    S.TRANSFERRING: frozenset({S.FINISHED} | _ENDS),
+    S.FINISHED: frozenset(),
+    S.FAILED: frozenset(),
+    S.ABORTED: frozenset(),
+    S.REJECTED: frozenset(),
+}
+
+
+class IllegalTransition(RuntimeError):
+    pass
+
+
+@dataclass(eq=False, slots=True)
+class Request:
+    request_id: RequestId
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    tenant: str = "anonymous"
+    arrival: int = 0  # admission order; preemption evicts the latest arrival first
+    state: RequestState = RequestState.NEW
+    token_ids: list[int] = field(default_factory=list)  # prompt + output, the sequence the KV cache covers
+    num_computed_tokens: int = 0  # tokens whose K/V are in this request's pages
+    pages: list[PageId] = field(default_factory=list)
+    leases: list[LeaseId] = field(default_factory=list)
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    error_code: str | None = None
+    num_preemptions: int = 0
+    num_pages_checked: int = 0  # pages verified by I1 checks over the request's life
+
+    def __post_init__(self) -> None:
+        if not self.token_ids:
+            self.token_ids = list(self.prompt_token_ids)
+
+    def transition(self, new: RequestState) -> None:
+        if new not in TRANSITIONS[self.state]:
+            raise IllegalTransition(f"request {self.request_id}: {self.state.name} -> {new.name} is not legal")
+        self.state = new
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def holds_pages(self) -> bool:
+        return bool(self.pages)
+
+    def add_leases(self, leases: list[Lease]) -> None:
+        assert self.state in (RequestState.WAITING, RequestState.RUNNING, RequestState.AWAITING_KV), self.state
+        self.pages.extend(lease.page for lease in leases)
+        self.leases.extend(lease.lease for lease in leases)
+
+    def take_leases(self) -> list[Lease]:
+        """Hand all page leases back to the caller (who releases them) and forget them."""
+        leases = [Lease(p, x) for p, x in zip(self.pages, self.leases, strict=True)]
+        self.pages, self.leases = [], []
+        return leases

@@ -1,0 +1,48 @@
+"""Fault knobs that reintroduce historical KV-cache bugs, for tests and demos. All off by default.
+
+Each knob names the real bug class it recreates (see ../docs/faults.md). They exist so that tests can prove the
+integrity machinery catches what it claims to catch: turn a knob on, and the victim request must fail with
+`kv_integrity_error`; turn the integrity check off as well, and the same scenario must visibly corrupt output.
+
+Knobs are counters, not booleans: `double_lease=1` fires once, on the next eligible event, then disarms itself, so
+a test decides exactly which request becomes the victim.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, fields
+
+
+@dataclass(slots=True)
+class Faults:
+    # Allocator hands a page that a live request still leases to the next allocation ("free while in use").
+    double_lease: int = 0
+    # A KV write lands but the page's tag is not stamped (a writer that bypasses the tagging path).
+    skip_stamp: int = 0
+    # A KV write for one page is silently dropped while the step reports success ("prefill wrote 1 of 8 pages").
+    drop_write: int = 0
+
+    def fire(self, name: str) -> bool:
+        """Consume one shot of knob `name`; True if the fault should happen now."""
+        left: int = getattr(self, name)
+        if left <= 0:
+            return False
+        setattr(self, name, left - 1)
+        return True
+
+    @property
+    def any_armed(self) -> bool:
+        return any(getattr(self, f.name) > 0 for f in fields(self))
+
+    @classmethod
+    def from_env(cls) -> Faults:
+        """KVFENCE_FAULTS="double_lease=1,drop_write=2" arms knobs in a server process (debug/test only)."""
+        faults = cls()
+        spec = os.environ.get("KVFENCE_FAULTS", "")
+        for item in filter(None, (s.strip() for s in spec.split(","))):
+            name, _, count = item.partition("=")
+            if name not in {f.name for f in fields(cls)}:
+                raise ValueError(f"unknown fault knob {name!r} in KVFENCE_FAULTS")
+            setattr(faults, name, int(count or 1))
+        return faults

@@ -1,0 +1,88 @@
+"""I1, read isolation: the check that runs before (and after) every forward step.
+
+For every page in every scheduled request's block table, two facts must hold:
+
+1. the allocator still lists the request's lease as the page's owner (nobody else was handed the page), and
+2. the page's tag matches what the request has done to it: its own lease id for every page it has written,
+   `NO_TAG` for pages it has not written yet (so a late write by anyone else shows up as a foreign tag).
+
+The check is one vectorized pass over the concatenated block tables of the whole batch (a few microseconds for
+a batch of 64). A violation fails only the request it belongs to; the caller quarantines that request's pages.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvfence.ids import NO_TAG, LeaseId, PageId, RequestId
+from kvfence.kv.pool import PagePool
+
+
+@dataclass(frozen=True, slots=True)
+class ReadSet:
+    """The pages a request is about to read, and how many of its tokens should already be in them."""
+
+    request_id: RequestId
+    pages: Sequence[PageId]
+    leases: Sequence[LeaseId]
+    num_written_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class Violation:
+    request_id: RequestId
+    page: PageId
+    page_index: int  # position in the request's block table
+    kind: str  # "owner": allocator lists another lease; "tag": last writer is not who it should be
+    expected: int
+    found: int
+
+    def as_log(self) -> dict[str, object]:
+        return {
+            "event": "kv_integrity_error",
+            "request_id": self.request_id,
+            "page": int(self.page),
+            "page_index": self.page_index,
+            "kind": self.kind,
+            "expected_tag": f"{self.expected:#018x}",
+            "found_tag": f"{self.found:#018x}",
+        }
+
+
+def check_reads(pool: PagePool, read_sets: Sequence[ReadSet]) -> list[Violation]:
+    """Return at most one violation per request whose block table fails I1; empty when all is well."""
+    if not read_sets:
+        return []
+    counts = [len(rs.pages) for rs in read_sets]
+    total = sum(counts)
+    pages = np.fromiter((p for rs in read_sets for p in rs.pages), dtype=np.int64, count=total)
+    leases = np.fromiter((x for rs in read_sets for x in rs.leases), dtype=np.uint64, count=total)
+    # index of each page within its own block table, and whether its owner has written it yet
+    starts = np.repeat(np.cumsum([0, *counts[:-1]]), counts)
+    index = np.arange(total) - starts
+    written_pages = np.repeat([pool.pages_for(rs.num_written_tokens) for rs in read_sets], counts)
+    expected_tag = np.where(index < written_pages, leases, np.uint64(NO_TAG))
+    owner = pool.owner[pages]
+    tag = pool.tag[pages]
+    bad = (owner != leases) | (tag != expected_tag)
+    if not bad.any():
+        return []
+    row_of = np.repeat(np.arange(len(read_sets)), counts)
+    violations: dict[int, Violation] = {}
+    for i in np.flatnonzero(bad):
+        row = int(row_of[i])
+        if row in violations:
+            continue
+        owner_bad = owner[i] != leases[i]
+        violations[row] = Violation(
+            request_id=read_sets[row].request_id,
+            page=PageId(int(pages[i])),
+            page_index=int(index[i]),
+            kind="owner" if owner_bad else "tag",
+            expected=int(leases[i] if owner_bad else expected_tag[i]),
+            found=int(owner[i] if owner_bad else tag[i]),
+        )
+    return list(violations.values())

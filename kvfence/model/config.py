@@ -1,0 +1,35 @@
+"""Model architecture description shared by loaders and the forward pass.
+
+Loaders (GGUF, Hugging Face directory) produce a `ModelConfig` plus a weight dict in Hugging Face naming and
+layout; the forward pass in `llama.py` consumes exactly that and knows nothing about file formats.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "mistral")
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    architecture: str  # one of SUPPORTED_ARCHITECTURES
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_theta: float
+    rms_norm_eps: float
+    context_length: int  # max positions the model was trained for
+    tie_word_embeddings: bool
+    attention_bias: bool  # q/k/v projections carry a bias (Qwen2)
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+    name: str = "model"
+
+    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
+        """K and V for one token across all layers."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
