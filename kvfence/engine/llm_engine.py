@@ -14,6 +14,7 @@ import itertools
 import json
 import logging
 import threading
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -24,6 +25,7 @@ from kvfence.engine.config import EngineConfig
 from kvfence.engine.errors import InvalidSamplingParams
 from kvfence.engine.model_runner import ModelRunner
 from kvfence.engine.output import OutputProcessor, RequestOutput
+from kvfence.engine.plan import Plan, StepResult
 from kvfence.engine.request import Request, RequestState, SamplingParams
 from kvfence.engine.scheduler import Scheduled, Scheduler, SchedulerConfig
 from kvfence.faults import Faults
@@ -45,6 +47,7 @@ class EngineStats:
     pages_checked: int = 0
     integrity_failures: int = 0
     preemptions: int = 0
+    integrity_seconds: float = 0.0  # wall time inside checks and stamping, to measure their cost
     outcomes: dict[str, int] = field(default_factory=dict)  # finished / failed:<code> / aborted / rejected:<code>
 
     def count(self, outcome: str) -> None:
@@ -134,11 +137,7 @@ class LLMEngine:
         self.pool.hold(held)
         try:
             result = self.runner.run(plan)
-            if self.config.integrity_checks:
-                for row in plan.rows:
-                    pages = result.written_pages[row.request_id]
-                    first = row.start_pos // self.config.page_size
-                    self.pool.stamp(pages, row.leases[first : first + len(pages)])
+            self._stamp(plan, result)
             scheduled, failed = self._verify(scheduled, after_step=True)
             outputs += failed
         finally:
@@ -171,10 +170,22 @@ class LLMEngine:
             self._end(request)
         return outputs
 
+    def _stamp(self, plan: Plan, result: StepResult) -> None:
+        """Tag every page the runner reports it wrote with the writer's lease (from the write path, I1)."""
+        if not self.config.integrity_checks:
+            return
+        t0 = time.perf_counter()
+        for row in plan.rows:
+            pages = result.written_pages[row.request_id]
+            first = row.start_pos // self.config.page_size
+            self.pool.stamp(pages, row.leases[first : first + len(pages)])
+        self.stats.integrity_seconds += time.perf_counter() - t0
+
     def _verify(self, scheduled: list[Scheduled], after_step: bool) -> tuple[list[Scheduled], list[RequestOutput]]:
         """I1: fail every scheduled request whose block table does not match its leases and writes."""
         if not self.config.integrity_checks:
             return scheduled, []
+        t0 = time.perf_counter()
         read_sets = [
             ReadSet(
                 s.request.request_id,
@@ -190,6 +201,7 @@ class LLMEngine:
         self.stats.pages_checked += num_pages
         for s in scheduled:
             s.request.num_pages_checked += len(s.request.pages)
+        self.stats.integrity_seconds += time.perf_counter() - t0
         if not violations:
             return scheduled, []
         return self._fail_integrity(scheduled, violations)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from kvfence.engine.plan import Plan, StepResult
+from kvfence.engine.plan import Plan, PlanRow, StepResult
 from kvfence.faults import Faults
 from kvfence.ids import PageId, RequestId
 from kvfence.model.config import ModelConfig
@@ -124,10 +124,10 @@ class ModelRunner:
             offset += row.num_new_tokens
 
     def _logprobs(
-        self, rows: list, tokens: torch.Tensor, logprobs: torch.Tensor
+        self, rows: list[PlanRow], tokens: torch.Tensor, logprobs: torch.Tensor | None
     ) -> dict[RequestId, tuple[float, tuple[tuple[int, float], ...]]] | None:
         wanted = [(i, r) for i, r in enumerate(rows) if r.params.logprobs is not None]
-        if not wanted:
+        if not wanted or logprobs is None:
             return None
         out = {}
         for i, row in wanted:

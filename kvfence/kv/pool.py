@@ -159,10 +159,20 @@ class PagePool:
 
     def stamp(self, pages: Sequence[PageId], leases: Sequence[LeaseId]) -> None:
         """Record that the holder of `leases[i]` wrote `pages[i]`. Called by the write path, after the write."""
-        if self.faults.any_armed and pages and self.faults.fire("skip_stamp"):
-            pages, leases = pages[1:], leases[1:]
+        if self.faults.any_armed:
+            pages, leases = self._maybe_skip_stamp(pages, leases)
         if pages:
             self.tag[np.asarray(pages, dtype=np.int64)] = np.asarray(leases, dtype=np.uint64)
+
+    def _maybe_skip_stamp(
+        self, pages: Sequence[PageId], leases: Sequence[LeaseId]
+    ) -> tuple[Sequence[PageId], Sequence[LeaseId]]:
+        """Fault knob `skip_stamp`: the first write into a fresh page leaves its tag empty."""
+        fresh = [i for i, p in enumerate(pages) if self.tag[p] == NO_TAG]
+        if fresh and self.faults.fire("skip_stamp"):
+            i = fresh[0]
+            return [*pages[:i], *pages[i + 1 :]], [*leases[:i], *leases[i + 1 :]]
+        return pages, leases
 
     # ---- invariants -------------------------------------------------------------------------------------
 

@@ -57,10 +57,13 @@ class PagedKV:
 
     def gather(self, layer: int, pages: Tensor) -> tuple[Tensor, Tensor]:
         """K and V for the pages of a block table: pages [..., n] -> [..., n * S, Hkv, Dh]."""
-        k = self.kv[layer, 0][pages]
-        v = self.kv[layer, 1][pages]
+        # index_select over [P, S*Hkv*Dh] rows copies whole pages; several times faster than advanced indexing
+        num_pages = self.kv.shape[2]
+        idx = pages.reshape(-1)
+        k = self.kv[layer, 0].view(num_pages, -1).index_select(0, idx)
+        v = self.kv[layer, 1].view(num_pages, -1).index_select(0, idx)
         shape = (*pages.shape[:-1], pages.shape[-1] * self.page_size, *self.kv.shape[-2:])
-        return k.reshape(shape), v.reshape(shape)
+        return k.view(shape), v.view(shape)
 
 
 class RMSNorm(nn.Module):

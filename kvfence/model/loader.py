@@ -27,7 +27,7 @@ from safetensors.torch import load_file
 from kvfence.model.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from kvfence.model.tokenizer import ModelLoadError, Tokenizer
 
-__all__ = ["LoadedModel", "ModelLoadError", "expected_shapes", "load_model"]
+__all__ = ["LoadedModel", "ModelLoadError", "expected_shapes", "load_model", "load_tokenizer"]
 
 # GGUF per-layer tensor suffix -> Hugging Face per-layer suffix.
 _GGUF_LAYER = {
@@ -76,6 +76,16 @@ def load_model(path: str | os.PathLike[str], dtype: torch.dtype = torch.float32)
         raise ModelLoadError(f"{p}: no such file or directory")
     weights = {name: w.to(dtype) for name, w in weights.items()}
     return LoadedModel(config=config, weights=weights, tokenizer=tokenizer, source=str(p))
+
+
+def load_tokenizer(path: str | os.PathLike[str]) -> Tokenizer:
+    """Only the tokenizer of a `.gguf` file or Hugging Face directory; no weights are read or dequantized."""
+    p = Path(path)
+    if p.is_dir():
+        return Tokenizer.from_hf_dir(p)
+    if not p.is_file():
+        raise ModelLoadError(f"{p}: no such file or directory")
+    return Tokenizer.from_gguf_fields(_GGUFMeta(_open_gguf(p), p).tokenizer_fields(), source=str(p))
 
 
 def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -143,8 +153,8 @@ def _load_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokeni
         num_heads=n_heads,
         num_kv_heads=int(meta.get(f"{arch}.attention.head_count_kv", n_heads)),
         head_dim=int(meta.get(f"{arch}.attention.key_length", d // n_heads)),
-        rope_theta=float(meta.get(f"{arch}.rope.freq_base", 10000.0)),
-        rms_norm_eps=float(meta.get(f"{arch}.attention.layer_norm_rms_epsilon")),
+        rope_theta=meta.get_float(f"{arch}.rope.freq_base", 10000.0),
+        rms_norm_eps=meta.get_float(f"{arch}.attention.layer_norm_rms_epsilon"),
         context_length=int(meta.get(f"{arch}.context_length")),
         tie_word_embeddings="output.weight" not in tensors,
         attention_bias="blk.0.attn_q.bias" in tensors,
@@ -251,6 +261,11 @@ class _GGUFMeta:
             return field.contents()
         except Exception as e:
             raise ModelLoadError(f"{self._path}: cannot read metadata key {key!r}: {e}") from e
+
+    def get_float(self, key: str, default: Any = ...) -> float:
+        # GGUF stores these as float32; the shortest decimal that round-trips (1e-05, not 9.9999997e-06) is
+        # what the original config.json said, so both loaders agree on the config exactly.
+        return float(str(np.float32(self.get(key, default))))
 
     def tokenizer_fields(self) -> dict[str, Any]:
         return {k: self.get(k) for k in self._reader.fields if k.startswith("tokenizer.")}

@@ -24,9 +24,11 @@ class Sampler:
 
     def __call__(
         self, logits: Tensor, params: Sequence[SamplingParams], num_generated: Sequence[int]
-    ) -> tuple[Tensor, Tensor]:
-        """logits [N, V] float32 -> (token ids [N], log-probabilities [N, V] of the raw distribution)."""
-        logprobs = torch.log_softmax(logits, dim=-1)
+    ) -> tuple[Tensor, Tensor | None]:
+        """logits [N, V] float32 -> (token ids [N], log-probabilities [N, V] of the raw distribution, computed
+        only when some row asked for logprobs)."""
+        want = any(p.logprobs is not None for p in params)
+        logprobs = torch.log_softmax(logits, dim=-1) if want else None
         tokens = logits.argmax(dim=-1)
         random_rows = [i for i, p in enumerate(params) if not p.greedy]
         if random_rows:

@@ -1,0 +1,174 @@
+"""Engine behaviour on a tiny generated model: batching invariance, preemption, admission, aborts, sampling."""
+
+from __future__ import annotations
+
+import queue
+import random
+import threading
+
+import pytest
+
+from kvfence.engine.errors import ContextLengthExceeded, EmptyPromptError, PoolCapacityExceeded
+from kvfence.engine.request import IllegalTransition, Request, RequestState, SamplingParams
+from kvfence.ids import RequestId
+from tests.conftest import make_engine, run_all
+
+
+def prompts_for(model, n: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    vocab = model.config.vocab_size
+    return [[rng.randrange(3, vocab) for _ in range(rng.randint(3, 40))] for _ in range(n)]
+
+
+def greedy(max_tokens: int) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+
+
+def solo_outputs(model, prompts, params) -> list[tuple[int, ...]]:
+    outs = []
+    for prompt, p in zip(prompts, params, strict=True):
+        engine = make_engine(model)
+        engine.add_request(prompt, p)
+        (final,) = run_all(engine).values()
+        outs.append(final.token_ids)
+    return outs
+
+
+@pytest.fixture(scope="module")
+def batch_case(tiny_model):
+    prompts = prompts_for(tiny_model, 16, seed=1)
+    rng = random.Random(2)
+    params = [greedy(rng.randint(8, 20)) for _ in prompts]
+    return prompts, params, solo_outputs(tiny_model, prompts, params)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        dict(),  # everything fits: one big batch
+        dict(max_num_batched_tokens=24),  # chunked prefill, prefill and decode mixed in a step
+        dict(kv_pages=24, max_num_batched_tokens=64),  # the pool runs out: preempt and recompute
+    ],
+    ids=["batched", "chunked", "preempting"],
+)
+def test_greedy_output_is_the_same_alone_and_batched(tiny_model, batch_case, overrides):
+    prompts, params, expected = batch_case
+    engine = make_engine(tiny_model, **overrides)
+    ids = [engine.add_request(p, sp).request_id for p, sp in zip(prompts, params, strict=True)]
+    final = run_all(engine)
+    assert [final[i].token_ids for i in ids] == expected
+    assert all(final[i].finish_reason == "length" for i in ids)
+    if "kv_pages" in overrides:
+        assert engine.stats.preemptions > 0, "the case must actually preempt"
+
+
+def test_seeded_sampling_is_the_same_alone_and_batched(tiny_model):
+    prompts = prompts_for(tiny_model, 6, seed=3)
+    params = [SamplingParams(max_tokens=10, temperature=0.9, top_p=0.9, top_k=50, seed=i) for i in range(6)]
+    expected = solo_outputs(tiny_model, prompts, params)
+    engine = make_engine(tiny_model, kv_pages=20)
+    ids = [engine.add_request(p, sp).request_id for p, sp in zip(prompts, params, strict=True)]
+    final = run_all(engine)
+    assert [final[i].token_ids for i in ids] == expected
+    assert len(set(expected)) > 1
+
+
+def test_top_k_one_is_greedy(tiny_model):
+    prompt = prompts_for(tiny_model, 1, seed=4)
+    (g,) = solo_outputs(tiny_model, prompt, [greedy(12)])
+    (k,) = solo_outputs(tiny_model, prompt, [SamplingParams(max_tokens=12, temperature=1.5, top_k=1, ignore_eos=True)])
+    assert g == k
+
+
+def test_stop_token_ids_and_max_tokens(tiny_model):
+    prompt = prompts_for(tiny_model, 1, seed=5)
+    (ref,) = solo_outputs(tiny_model, prompt, [greedy(12)])
+    stop_at = ref[5]
+    (out,) = solo_outputs(tiny_model, prompt, [SamplingParams(max_tokens=12, temperature=0, stop_token_ids=(stop_at,))])
+    assert out == ref[: ref.index(stop_at) + 1]
+
+
+def test_stop_string_cuts_text_and_never_streams_it(tiny_model):
+    engine = make_engine(tiny_model)
+    prompt = prompts_for(tiny_model, 1, seed=6)[0]
+    engine.add_request(prompt, greedy(16))
+    (ref,) = run_all(engine).values()
+    assert len(ref.text) > 6
+    stop = ref.text[3:6]
+    engine.add_request(prompt, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, stop=(stop,)))
+    streamed = []
+    final = None
+    while engine.has_unfinished():
+        for out in engine.step():
+            streamed.append(out.new_text)
+            final = out
+    assert final is not None and final.finish_reason == "stop"
+    assert final.text == ref.text[: ref.text.index(stop)]
+    assert "".join(streamed) == final.text
+
+
+# ---- admission (I5) ---------------------------------------------------------------------------------------
+
+
+def test_admission_rejects_before_allocating(tiny_model):
+    engine = make_engine(tiny_model, kv_pages=8, page_size=4, context_length=64)
+    before = engine.pool.stats()
+    with pytest.raises(EmptyPromptError):
+        engine.add_request([], greedy(4))
+    with pytest.raises(ContextLengthExceeded) as exc:
+        engine.add_request([5] * 60, greedy(10))
+    assert "64" in str(exc.value) and "70" in str(exc.value)
+    with pytest.raises(PoolCapacityExceeded) as exc:
+        engine.add_request([5] * 30, greedy(10))  # fits the context (64) but not the pool (32 tokens)
+    assert "40 tokens" in str(exc.value) and "8 pages" in str(exc.value)
+    assert engine.pool.stats() == before
+    assert not engine.has_unfinished()
+    assert engine.stats.outcomes == {"rejected:invalid_prompt": 1, "rejected:context_length_exceeded": 2}
+
+
+def test_rejected_is_terminal_and_never_holds_pages():
+    request = Request(RequestId("r"), [1, 2], SamplingParams())
+    request.transition(RequestState.REJECTED)
+    for state in RequestState:
+        with pytest.raises(IllegalTransition):
+            request.transition(state)
+    with pytest.raises(AssertionError):
+        request.add_leases([])
+
+
+# ---- aborts -----------------------------------------------------------------------------------------------
+
+
+def test_abort_from_another_thread_at_any_time(tiny_model):
+    """The engine loop runs in its own thread; the test thread aborts requests as their outputs arrive."""
+    engine = make_engine(tiny_model, kv_pages=40)
+    outputs: queue.Queue = queue.Queue()
+    stop = threading.Event()
+
+    def loop() -> None:
+        while not stop.is_set():
+            for out in engine.step():
+                outputs.put(out)
+            engine.pool.check_integrity()
+
+    prompts = prompts_for(tiny_model, 20, seed=7)
+    ids = [engine.add_request(p, greedy(30)).request_id for p in prompts]
+    engine.abort(ids[0])  # before it ever runs
+    thread = threading.Thread(target=loop)
+    thread.start()
+    done: dict[str, str] = {}
+    seen = 0
+    while len(done) < len(ids):
+        out = outputs.get(timeout=120)
+        seen += 1
+        if seen % 3 == 0:
+            engine.abort(out.request_id)  # mid-flight, possibly while a step runs
+        if out.finished:
+            done[out.request_id] = out.finish_reason
+    engine.abort("no-such-request")
+    stop.set()
+    thread.join()
+    assert done[ids[0]] == "abort"
+    assert set(done.values()) <= {"abort", "length"} and "abort" in done.values()
+    engine.pool.check_integrity()
+    assert engine.pool.stats().num_free == engine.pool.num_pages
