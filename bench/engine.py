@@ -72,7 +72,9 @@ def main() -> None:
     args = ap.parse_args()
     loaded = load_model(args.model, dtype=torch.float32)
     print(f"model={args.model} dtype={args.dtype} threads={args.threads or torch.get_num_threads()}")
-    print(f"{args.requests} requests x ({args.prompt_len} prompt + {args.new_tokens} new tokens), ignore_eos\n")
+    print(
+        f"{args.requests} requests x ({args.prompt_len} prompt + {args.new_tokens} new tokens), ignore_eos\n"
+    )
     results: dict[bool, list[dict[str, float]]] = {True: [], False: []}
     for i in range(args.repeats):
         for checks in (True, False) if i % 2 == 0 else (False, True):

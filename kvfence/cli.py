@@ -24,7 +24,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
     p.add_argument(
-        "--no-integrity-checks", action="store_true", help="debug/benchmark only: skip I1 checks and tag stamping"
+        "--no-integrity-checks",
+        action="store_true",
+        help="debug/benchmark only: skip I1 checks and tag stamping",
     )
 
 
@@ -94,7 +96,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvfence", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("fetch-model", help="download the default model (SmolLM2-135M-Instruct GGUF) into the cache")
+    p = sub.add_parser(
+        "fetch-model", help="download the default model (SmolLM2-135M-Instruct GGUF) into the cache"
+    )
     p.add_argument("--verify", action="store_true", help="re-check the sha256 even if the file is cached")
     p.set_defaults(func=cmd_fetch_model)
 

@@ -36,7 +36,9 @@ def smollm2() -> LoadedModel:
 
 
 def make_engine(loaded: LoadedModel, **overrides: object) -> LLMEngine:
-    defaults: dict[str, object] = dict(kv_pages=256, page_size=4, max_num_seqs=32, max_num_batched_tokens=256, seed=0)
+    defaults: dict[str, object] = dict(
+        kv_pages=256, page_size=4, max_num_seqs=32, max_num_batched_tokens=256, seed=0
+    )
     defaults.update(overrides)
     return LLMEngine(EngineConfig(model=loaded.source, **defaults), loaded=loaded)  # type: ignore[arg-type]
 

@@ -76,7 +76,9 @@ def test_seeded_sampling_is_the_same_alone_and_batched(tiny_model):
 def test_top_k_one_is_greedy(tiny_model):
     prompt = prompts_for(tiny_model, 1, seed=4)
     (g,) = solo_outputs(tiny_model, prompt, [greedy(12)])
-    (k,) = solo_outputs(tiny_model, prompt, [SamplingParams(max_tokens=12, temperature=1.5, top_k=1, ignore_eos=True)])
+    (k,) = solo_outputs(
+        tiny_model, prompt, [SamplingParams(max_tokens=12, temperature=1.5, top_k=1, ignore_eos=True)]
+    )
     assert g == k
 
 
@@ -84,7 +86,9 @@ def test_stop_token_ids_and_max_tokens(tiny_model):
     prompt = prompts_for(tiny_model, 1, seed=5)
     (ref,) = solo_outputs(tiny_model, prompt, [greedy(12)])
     stop_at = ref[5]
-    (out,) = solo_outputs(tiny_model, prompt, [SamplingParams(max_tokens=12, temperature=0, stop_token_ids=(stop_at,))])
+    (out,) = solo_outputs(
+        tiny_model, prompt, [SamplingParams(max_tokens=12, temperature=0, stop_token_ids=(stop_at,))]
+    )
     assert out == ref[: ref.index(stop_at) + 1]
 
 

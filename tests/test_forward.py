@@ -62,7 +62,9 @@ def run_paged(loaded: LoadedModel, ids: list[int], chunks: list[int], page_size:
             prefills=[PrefillSeq(0, n, start, block)] if n > 1 else [],
             decode_idx=torch.tensor([0]) if n == 1 else None,
             decode_pages=block.unsqueeze(0) if n == 1 else None,
-            decode_mask=(torch.arange(len(block) * page_size) < start + 1)[None, None, None] if n == 1 else None,
+            decode_mask=(torch.arange(len(block) * page_size) < start + 1)[None, None, None]
+            if n == 1
+            else None,
             sample_idx=torch.arange(n),
         )
         out.append(model(torch.tensor(ids[start : start + n]), meta, cache))
@@ -75,7 +77,9 @@ def run_paged(loaded: LoadedModel, ids: list[int], chunks: list[int], page_size:
 )
 def test_tiny_model_matches_transformers(tmp_path, arch, tie, bias):
     loaded = load_model(write_tiny_hf_dir(tmp_path / arch, arch=arch, seed=1, tie=tie, bias=bias))
-    ids = torch.randint(0, loaded.config.vocab_size, (37,), generator=torch.Generator().manual_seed(0)).tolist()
+    ids = torch.randint(
+        0, loaded.config.vocab_size, (37,), generator=torch.Generator().manual_seed(0)
+    ).tolist()
     expected = hf_logits(loaded, ids)
     got = run_paged(loaded, ids, chunks=[13, 9, 1, 1, 1, 7, 1, 1, 1, 1, 1])
     torch.testing.assert_close(got, expected, atol=2e-4, rtol=2e-4)
@@ -99,8 +103,14 @@ def test_runner_plan_roundtrip_uses_only_block_table_pages(tiny_model):
     runner = ModelRunner(model, num_pages=8, page_size=4, dtype=torch.float32, device="cpu")
     ids = list(range(3, 13))
     row = PlanRow(
-        RequestId("r"), tuple(ids), 0, (PageId(5), PageId(2), PageId(7)), (LeaseId(1),) * 3, True,
-        SamplingParams(temperature=0), 0,
+        RequestId("r"),
+        tuple(ids),
+        0,
+        (PageId(5), PageId(2), PageId(7)),
+        (LeaseId(1),) * 3,
+        True,
+        SamplingParams(temperature=0),
+        0,
     )
     result = runner.run(Plan((row,), 1))
     assert result.written_pages[RequestId("r")] == (5, 2, 7)

@@ -98,7 +98,11 @@ def test_stale_release_cannot_free_a_reused_page():
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.lists(st.tuples(st.sampled_from(["alloc", "release", "hold", "unhold"]), st.integers(1, 4)), max_size=60))
+@given(
+    st.lists(
+        st.tuples(st.sampled_from(["alloc", "release", "hold", "unhold"]), st.integers(1, 4)), max_size=60
+    )
+)
 def test_random_operations_keep_the_pool_consistent(ops):
     pool = PagePool(10, 4, lease_prefix=3)
     owned: list = []

@@ -24,7 +24,9 @@ class EngineConfig:
     context_length: int | None = None  # lower the model's own context length
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
-    integrity_checks: bool = True  # I1 checks before/after every step and tag stamping; off only to measure cost
+    integrity_checks: bool = (
+        True  # I1 checks before/after every step and tag stamping; off only to measure cost
+    )
     num_threads: int | None = None
     seed: int = 0
     lease_prefix: int | None = None

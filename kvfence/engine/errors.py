@@ -23,7 +23,11 @@ class ContextLengthExceeded(AdmissionError):
     param = "messages"
 
     def __init__(self, num_prompt_tokens: int, max_tokens: int, context_length: int) -> None:
-        self.num_prompt_tokens, self.max_tokens, self.context_length = num_prompt_tokens, max_tokens, context_length
+        self.num_prompt_tokens, self.max_tokens, self.context_length = (
+            num_prompt_tokens,
+            max_tokens,
+            context_length,
+        )
         super().__init__(
             f"This model's maximum context length is {context_length} tokens. However, you requested "
             f"{num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the prompt, {max_tokens} for the "

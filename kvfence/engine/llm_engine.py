@@ -48,7 +48,9 @@ class EngineStats:
     integrity_failures: int = 0
     preemptions: int = 0
     integrity_seconds: float = 0.0  # wall time inside checks and stamping, to measure their cost
-    outcomes: dict[str, int] = field(default_factory=dict)  # finished / failed:<code> / aborted / rejected:<code>
+    outcomes: dict[str, int] = field(
+        default_factory=dict
+    )  # finished / failed:<code> / aborted / rejected:<code>
 
     def count(self, outcome: str) -> None:
         self.outcomes[outcome] = self.outcomes.get(outcome, 0) + 1
@@ -62,16 +64,24 @@ class LLMEngine:
         loaded = loaded or load_model(config.model, dtype=config.torch_dtype)
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
-        self.context_length = min(config.context_length or loaded.config.context_length, loaded.config.context_length)
+        self.context_length = min(
+            config.context_length or loaded.config.context_length, loaded.config.context_length
+        )
         num_pages = config.resolve_num_pages(loaded.config)
         self.faults = config.faults or Faults()
-        self.pool = PagePool(num_pages, config.page_size, faults=self.faults, lease_prefix=config.lease_prefix)
-        model = LlamaForCausalLM.from_weights(loaded.config, loaded.weights, config.torch_dtype, config.device)
+        self.pool = PagePool(
+            num_pages, config.page_size, faults=self.faults, lease_prefix=config.lease_prefix
+        )
+        model = LlamaForCausalLM.from_weights(
+            loaded.config, loaded.weights, config.torch_dtype, config.device
+        )
         self.runner = ModelRunner(
             model, num_pages, config.page_size, config.torch_dtype, config.device, self.faults, config.seed
         )
         sched_cfg = SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.context_length)
-        self.scheduler = Scheduler(sched_cfg, self.pool, loaded.config.eos_token_ids or self.tokenizer.eos_token_ids)
+        self.scheduler = Scheduler(
+            sched_cfg, self.pool, loaded.config.eos_token_ids or self.tokenizer.eos_token_ids
+        )
         self.limits = Limits(self.context_length, num_pages, config.page_size)
         self.outputs = OutputProcessor(self.tokenizer)
         self.stats = EngineStats()
@@ -162,12 +172,12 @@ class LLMEngine:
             self.outputs.add(request)
         outputs = []
         for rid in aborts:
-            request = self._requests.get(rid)
-            if request is None or request.state.terminal:
+            target = self._requests.get(rid)
+            if target is None or target.state.terminal:
                 continue
-            self.scheduler.finish(request, RequestState.ABORTED, "abort")
-            outputs.append(self.outputs.final(request))
-            self._end(request)
+            self.scheduler.finish(target, RequestState.ABORTED, "abort")
+            outputs.append(self.outputs.final(target))
+            self._end(target)
         return outputs
 
     def _stamp(self, plan: Plan, result: StepResult) -> None:
@@ -181,7 +191,9 @@ class LLMEngine:
             self.pool.stamp(pages, row.leases[first : first + len(pages)])
         self.stats.integrity_seconds += time.perf_counter() - t0
 
-    def _verify(self, scheduled: list[Scheduled], after_step: bool) -> tuple[list[Scheduled], list[RequestOutput]]:
+    def _verify(
+        self, scheduled: list[Scheduled], after_step: bool
+    ) -> tuple[list[Scheduled], list[RequestOutput]]:
         """I1: fail every scheduled request whose block table does not match its leases and writes."""
         if not self.config.integrity_checks:
             return scheduled, []

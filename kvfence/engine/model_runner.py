@@ -52,7 +52,9 @@ class ModelRunner:
         top = self._logprobs(sample_rows, tokens, logprobs)
         return StepResult(sampled=sampled, written_pages=written, logprobs=top)
 
-    def _prepare(self, plan: Plan) -> tuple[torch.Tensor, AttentionMetadata, dict[RequestId, tuple[PageId, ...]]]:
+    def _prepare(
+        self, plan: Plan
+    ) -> tuple[torch.Tensor, AttentionMetadata, dict[RequestId, tuple[PageId, ...]]]:
         S, dev = self.page_size, self.device
         tokens: list[int] = []
         positions: list[int] = []
@@ -105,7 +107,9 @@ class ModelRunner:
         meta.decode_idx = torch.tensor(flat_idx, dtype=torch.long, device=dev)
         meta.decode_pages = torch.tensor(table, dtype=torch.long, device=dev)
         # decode_mask: [B, 1, 1, max_pages * S]; padding pages point at page 0 and are masked out
-        meta.decode_mask = (torch.arange(max_pages * S, device=dev).unsqueeze(0) < ctx.unsqueeze(1))[:, None, None]
+        meta.decode_mask = (torch.arange(max_pages * S, device=dev).unsqueeze(0) < ctx.unsqueeze(1))[
+            :, None, None
+        ]
 
     def _maybe_drop_write(
         self, plan: Plan, slots: torch.Tensor, written: dict[RequestId, tuple[PageId, ...]]
@@ -134,6 +138,8 @@ class ModelRunner:
             chosen = float(logprobs[i, tokens[i]])
             k = row.params.logprobs
             top = logprobs[i].topk(k) if k else None
-            pairs = tuple(zip(top.indices.tolist(), top.values.tolist(), strict=True)) if top is not None else ()
+            pairs = (
+                tuple(zip(top.indices.tolist(), top.values.tolist(), strict=True)) if top is not None else ()
+            )
             out[row.request_id] = (chosen, pairs)
         return out

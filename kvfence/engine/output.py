@@ -16,6 +16,9 @@ from kvfence.ids import RequestId
 from kvfence.model.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
+LogprobEntry = tuple[float, tuple[tuple[int, float], ...]]  # (chosen token's logprob, top-k (id, logprob))
+
+
 @dataclass(frozen=True, slots=True)
 class RequestOutput:
     request_id: RequestId
@@ -28,7 +31,7 @@ class RequestOutput:
     num_output_tokens: int
     text: str  # all text so far (final text when finished)
     token_ids: tuple[int, ...]  # all output token ids so far
-    logprobs: tuple[tuple[float, tuple[tuple[int, float], ...]], ...] = ()  # per new token: (chosen, top-k)
+    logprobs: tuple[LogprobEntry, ...] = ()  # one entry per new token when the request asked for logprobs
 
 
 class _TextState:
@@ -52,7 +55,9 @@ class OutputProcessor:
     def remove(self, request: Request) -> None:
         self._state.pop(request.request_id, None)
 
-    def process(self, scheduled: list[Scheduled], result: StepResult, scheduler: Scheduler) -> list[RequestOutput]:
+    def process(
+        self, scheduled: list[Scheduled], result: StepResult, scheduler: Scheduler
+    ) -> list[RequestOutput]:
         outputs = []
         for item in scheduled:
             request = item.request
@@ -71,7 +76,9 @@ class OutputProcessor:
             st.cut = _find_stop(text, stops, start=max(0, st.emitted - max(map(len, stops))))
             if st.cut is not None:
                 scheduler.finish(request, RequestState.FINISHED, "stop")
-        text = text if st.cut is None else text[: st.cut]
+        if request.state.terminal and st.cut is None:
+            st.detok.flush()  # a stream that ends mid-character shows the replacement character, as HF does
+        text = st.detok.text if st.cut is None else st.detok.text[: st.cut]
         visible = len(text) if request.state.terminal else len(text) - _held_back(text, stops)
         lp = result.logprobs.get(request.request_id) if result.logprobs else None
         return self._output(request, st, text, max(visible, st.emitted), new_ids, (lp,) if lp else ())
@@ -83,7 +90,13 @@ class OutputProcessor:
         return self._output(request, st, text, len(text), [], ())
 
     def _output(
-        self, request: Request, st: _TextState, text: str, upto: int, new_ids: list[int], logprobs: tuple
+        self,
+        request: Request,
+        st: _TextState,
+        text: str,
+        upto: int,
+        new_ids: list[int],
+        logprobs: tuple[LogprobEntry, ...],
     ) -> RequestOutput:
         delta = text[st.emitted : upto]
         st.emitted = upto

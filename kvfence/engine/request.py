@@ -38,7 +38,9 @@ class SamplingParams:
         if self.max_tokens < 1:
             raise InvalidSamplingParams("max_tokens", f"max_tokens must be at least 1, got {self.max_tokens}")
         if not 0.0 <= self.temperature <= 2.0:
-            raise InvalidSamplingParams("temperature", f"temperature must be in [0, 2], got {self.temperature}")
+            raise InvalidSamplingParams(
+                "temperature", f"temperature must be in [0, 2], got {self.temperature}"
+            )
         if not 0.0 < self.top_p <= 1.0:
             raise InvalidSamplingParams("top_p", f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k is not None and self.top_k < 1:
@@ -110,7 +112,9 @@ class Request:
 
     def transition(self, new: RequestState) -> None:
         if new not in TRANSITIONS[self.state]:
-            raise IllegalTransition(f"request {self.request_id}: {self.state.name} -> {new.name} is not legal")
+            raise IllegalTransition(
+                f"request {self.request_id}: {self.state.name} -> {new.name} is not legal"
+            )
         self.state = new
 
     @property
@@ -134,7 +138,9 @@ class Request:
         return bool(self.pages)
 
     def add_leases(self, leases: list[Lease]) -> None:
-        assert self.state in (RequestState.WAITING, RequestState.RUNNING, RequestState.AWAITING_KV), self.state
+        assert self.state in (RequestState.WAITING, RequestState.RUNNING, RequestState.AWAITING_KV), (
+            self.state
+        )
         self.pages.extend(lease.page for lease in leases)
         self.leases.extend(lease.lease for lease in leases)
 

@@ -154,7 +154,9 @@ class Scheduler:
             return "length"
         return None
 
-    def finish(self, request: Request, state: RequestState, reason: str, error_code: str | None = None) -> None:
+    def finish(
+        self, request: Request, state: RequestState, reason: str, error_code: str | None = None
+    ) -> None:
         """End a live request in `state`; its pages are released to the pool (quarantined, then freed)."""
         if request.state is RequestState.WAITING:
             self.waiting.remove(request)

@@ -42,11 +42,20 @@ class AttentionMetadata:
 class PagedKV:
     """The KV pool's tensors: per layer, K and V for every slot of every page."""
 
-    def __init__(self, cfg: ModelConfig, num_pages: int, page_size: int, dtype: torch.dtype, device: str) -> None:
+    def __init__(
+        self, cfg: ModelConfig, num_pages: int, page_size: int, dtype: torch.dtype, device: str
+    ) -> None:
         self.page_size = page_size
         # kv: [L, 2, P, S, Hkv, Dh]
         self.kv = torch.zeros(
-            cfg.num_layers, 2, num_pages, page_size, cfg.num_kv_heads, cfg.head_dim, dtype=dtype, device=device
+            cfg.num_layers,
+            2,
+            num_pages,
+            page_size,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+            dtype=dtype,
+            device=device,
         )
 
     def write(self, layer: int, slots: Tensor, k: Tensor, v: Tensor) -> None:
@@ -122,7 +131,8 @@ class Attention(nn.Module):
             out[seq.q_start : seq.q_start + seq.q_len] = self._prefill(q, seq, cache)
         if meta.decode_idx is not None:
             out[meta.decode_idx] = self._decode(q[meta.decode_idx], meta, cache)
-        return self.o_proj(out.view(t, -1))
+        y: Tensor = self.o_proj(out.view(t, -1))
+        return y
 
     def _prefill(self, q: Tensor, seq: PrefillSeq, cache: PagedKV) -> Tensor:
         ctx = seq.start_pos + seq.q_len
@@ -159,7 +169,8 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        y: Tensor = self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return y
 
 
 class DecoderLayer(nn.Module):
@@ -172,7 +183,8 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: Tensor, meta: AttentionMetadata, cache: PagedKV, rotary: Rotary) -> Tensor:
         x = x + self.self_attn(self.input_layernorm(x), meta, cache, rotary)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        y: Tensor = x + self.mlp(self.post_attention_layernorm(x))
+        return y
 
 
 class LlamaBody(nn.Module):
@@ -201,7 +213,8 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.model.layers:
             x = layer(x, meta, cache, self.rotary)
         x = self.model.norm(x[meta.sample_idx])
-        return self.lm_head(x).float()
+        logits: Tensor = self.lm_head(x).float()
+        return logits
 
     @classmethod
     def from_weights(

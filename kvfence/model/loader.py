@@ -12,6 +12,7 @@ Every way a file can be wrong ends in a `ModelLoadError` whose message names the
 from __future__ import annotations
 
 import json
+import logging
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -26,6 +27,8 @@ from safetensors.torch import load_file
 
 from kvfence.model.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from kvfence.model.tokenizer import ModelLoadError, Tokenizer
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["LoadedModel", "ModelLoadError", "expected_shapes", "load_model", "load_tokenizer"]
 
@@ -112,8 +115,11 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
             p + "mlp.down_proj.weight": (d, cfg.intermediate_size),
         }
         if cfg.attention_bias:
-            shapes |= {p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,)}
-            shapes[p + "self_attn.v_proj.bias"] = (kv,)
+            shapes |= {
+                p + "self_attn.q_proj.bias": (q,),
+                p + "self_attn.k_proj.bias": (kv,),
+                p + "self_attn.v_proj.bias": (kv,),
+            }
     return shapes
 
 
@@ -139,6 +145,9 @@ def _load_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokeni
     tensors = {t.name: t for t in reader.tensors}
     if "blk.0.attn_output.bias" in tensors:
         raise ModelLoadError(f"{path}: attention output bias (blk.*.attn_output.bias) is not supported")
+
+    if "rope_freqs.weight" in tensors or meta.get(f"{arch}.rope.scaling.type", "none") != "none":
+        logger.warning("%s: RoPE scaling is not supported and is ignored; long contexts may degrade", path)
 
     tok_fields = meta.tokenizer_fields()
     tokenizer = Tokenizer.from_gguf_fields(tok_fields, source=str(path))
@@ -228,6 +237,8 @@ def _dequantize(tensor: gguf.ReaderTensor, path: Path) -> np.ndarray:
             f"{path}: tensor {tensor.name} uses quantization type {tensor.tensor_type.name}, "
             "which cannot be dequantized"
         ) from e
+    except ValueError as e:  # data that does not fit its declared type and shape
+        raise ModelLoadError(f"{path}: tensor {tensor.name} cannot be dequantized: {e}") from e
     w = np.asarray(w, dtype=np.float32)
     if not w.flags.writeable or not w.flags.c_contiguous:
         w = w.copy()  # F32 data is a view into the read-only memory map
@@ -241,7 +252,7 @@ def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
     Works for weights [rows, cols] and biases [rows]."""
     rows, rest = w.shape[0], w.shape[1:]
     # GGUF row order within a head is (j, s) with s the half; HF order is (s, j).
-    return w.reshape(n_head, rows // n_head // 2, 2, *rest).swapaxes(1, 2).reshape(rows, *rest).copy()
+    return w.reshape(n_head, rows // n_head // 2, 2, *rest).swapaxes(1, 2).reshape(rows, *rest)
 
 
 class _GGUFMeta:
@@ -318,6 +329,10 @@ def _hf_config(raw: Mapping[str, Any], tokenizer: Tokenizer, cfg_file: Path) -> 
     d, n_heads = int(need("hidden_size")), int(need("num_attention_heads"))
     # transformers >= 5 nests rope_theta in rope_parameters; older versions keep it at the top level.
     rope = raw.get("rope_parameters") or {}
+    if raw.get("rope_scaling") or rope.get("rope_type", "default") != "default":
+        logger.warning(
+            "%s: RoPE scaling is not supported and is ignored; long contexts may degrade", cfg_file
+        )
     rope_theta = raw.get("rope_theta") or rope.get("rope_theta") or 10000.0
     return ModelConfig(
         architecture=arch,

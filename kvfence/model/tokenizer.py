@@ -169,10 +169,16 @@ class Tokenizer:
         pre = str(fields.get("tokenizer.ggml.pre", "default"))
         vocab = {tok: i for i, tok in enumerate(tokens)}
         # Byte-level tokens never contain a raw space (it is written as "Ġ"), so the first space separates.
-        merges = [tuple(m.split(" ", 1)) for m in merges_raw]
-        hf = tokenizers.Tokenizer(
-            models.BPE(vocab=vocab, merges=merges, ignore_merges=pre == "llama-bpe", fuse_unk=False)
-        )
+        merges = [(a, b) for a, sep, b in (m.partition(" ") for m in merges_raw) if sep]
+        if len(merges) != len(merges_raw):
+            raise ModelLoadError(
+                f"{source}: tokenizer.ggml.merges has entries that are not 'left right' pairs"
+            )
+        try:
+            bpe = models.BPE(vocab=vocab, merges=merges, ignore_merges=pre == "llama-bpe", fuse_unk=False)
+        except Exception as e:  # e.g. a merge naming a token that is not in the vocabulary
+            raise ModelLoadError(f"{source}: inconsistent BPE vocabulary and merges: {e}") from e
+        hf = tokenizers.Tokenizer(bpe)
         _set_pre_tokenizer(hf, pre, source)
         hf.decoder = decoders.ByteLevel()
         hf.add_special_tokens(
