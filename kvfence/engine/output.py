@@ -15,7 +15,6 @@ from kvfence.engine.scheduler import Scheduled, Scheduler
 from kvfence.ids import RequestId
 from kvfence.model.tokenizer import IncrementalDetokenizer, Tokenizer
 
-
 LogprobEntry = tuple[float, tuple[tuple[int, float], ...]]  # (chosen token's logprob, top-k (id, logprob))
 
 
