@@ -37,17 +37,8 @@ def run_double_lease(model, checks: bool):
     assert not first or not first[0].finished
     faults.double_lease = 1
     oids = [engine.add_request(o, P).request_id for o in others]
-    final = run_all_tolerant(engine)
+    final = run_all(engine)
     return final, vid, oids, [victim, *others]
-
-
-def run_all_tolerant(engine):
-    final = {}
-    while engine.has_unfinished():
-        for out in engine.step():
-            if out.finished:
-                final[out.request_id] = out
-    return final
 
 
 @pytest.fixture(scope="module")
@@ -82,7 +73,7 @@ def run_previous_tenant_then(model, knob: str, checks: bool):
     run_all(engine)
     setattr(engine.faults, knob, 1)
     engine.add_request(b, P, request_id="b")
-    return run_all_tolerant(engine)["b"], b
+    return run_all(engine)["b"], b
 
 
 @pytest.mark.parametrize("knob", ["drop_write", "skip_stamp"])

@@ -85,6 +85,8 @@ class LLMEngine:
         self.limits = Limits(self.context_length, num_pages, config.page_size)
         self.outputs = OutputProcessor(self.tokenizer)
         self.stats = EngineStats()
+        # I1 checks and tag stamping. On by default; benchmarks toggle it on one warm engine to measure its cost.
+        self.integrity_checks = config.integrity_checks
         self._lock = threading.Lock()
         self._inbox: list[Request] = []
         self._aborts: set[RequestId] = set()
@@ -182,7 +184,7 @@ class LLMEngine:
 
     def _stamp(self, plan: Plan, result: StepResult) -> None:
         """Tag every page the runner reports it wrote with the writer's lease (from the write path, I1)."""
-        if not self.config.integrity_checks:
+        if not self.integrity_checks:
             return
         t0 = time.perf_counter()
         for row in plan.rows:
@@ -195,7 +197,7 @@ class LLMEngine:
         self, scheduled: list[Scheduled], after_step: bool
     ) -> tuple[list[Scheduled], list[RequestOutput]]:
         """I1: fail every scheduled request whose block table does not match its leases and writes."""
-        if not self.config.integrity_checks:
+        if not self.integrity_checks:
             return scheduled, []
         t0 = time.perf_counter()
         read_sets = [

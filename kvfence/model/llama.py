@@ -57,6 +57,9 @@ class PagedKV:
             dtype=dtype,
             device=device,
         )
+        # zeros() may map memory lazily; touch it all now so the pool exists for real before serving starts
+        # (fails at startup rather than mid-request if the memory is not there, and keeps step latency steady)
+        self.kv.fill_(0)
 
     def write(self, layer: int, slots: Tensor, k: Tensor, v: Tensor) -> None:
         # k, v: [T, Hkv, Dh]; slots: [T]
