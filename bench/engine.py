@@ -4,8 +4,9 @@
 
 Every request gets a random prompt of exactly --prompt-len tokens (fixed seed) and generates exactly --new-tokens
 tokens (ignore_eos), all submitted at once. One engine serves every run (after a warm-up), toggling its integrity
-checks; runs alternate on/off, off/on so drift on a shared machine hits both. Prints per-run throughput, the on/off ratio, and the time spent inside the integrity code itself
-(the I1 checks and tag stamping) as a share of engine time, which is the less noisy measure of its cost.
+checks; runs alternate on/off, off/on so drift on a shared machine hits both. Prints per-run throughput, the
+on/off ratio, and the time spent inside the integrity code itself (the I1 checks and tag stamping) as a share of
+engine time, which is the less noisy measure of its cost.
 """
 
 from __future__ import annotations
