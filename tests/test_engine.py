@@ -8,7 +8,12 @@ import threading
 
 import pytest
 
-from kvfence.engine.errors import ContextLengthExceeded, EmptyPromptError, PoolCapacityExceeded
+from kvfence.engine.errors import (
+    ContextLengthExceeded,
+    DuplicateRequestId,
+    EmptyPromptError,
+    PoolCapacityExceeded,
+)
 from kvfence.engine.request import IllegalTransition, Request, RequestState, SamplingParams
 from kvfence.ids import RequestId
 from tests.conftest import make_engine, run_all
@@ -71,6 +76,7 @@ def test_seeded_sampling_is_the_same_alone_and_batched(tiny_model):
     final = run_all(engine)
     assert [final[i].token_ids for i in ids] == expected
     assert len(set(expected)) > 1
+    assert engine.stats.preemptions > 0, "the case must actually preempt"
 
 
 def test_top_k_one_is_greedy(tiny_model):
@@ -176,3 +182,65 @@ def test_abort_from_another_thread_at_any_time(tiny_model):
     assert set(done.values()) <= {"abort", "length"} and "abort" in done.values()
     engine.pool.check_integrity()
     assert engine.pool.stats().num_free == engine.pool.num_pages
+
+
+def token_boundaries(engine, token_ids) -> list[int]:
+    """Character offsets in the decoded text where one output token ends and the next begins."""
+    return [len(engine.tokenizer.decode(list(token_ids[:i]))) for i in range(1, len(token_ids))]
+
+
+def run_streamed(engine, prompt, params):
+    engine.add_request(prompt, params)
+    streamed, final = [], None
+    while engine.has_unfinished():
+        for out in engine.step():
+            streamed.append(out.new_text)
+            final = out
+    return final, "".join(streamed)
+
+
+def test_stop_string_split_across_tokens_and_at_the_last_token(tiny_model):
+    engine = make_engine(tiny_model)
+    prompt = prompts_for(tiny_model, 1, seed=8)[0]
+    engine.add_request(prompt, greedy(16))
+    (ref,) = run_all(engine).values()
+    cuts = [b for b in token_boundaries(engine, ref.token_ids) if 2 <= b <= len(ref.text) - 2]
+    b = cuts[len(cuts) // 2]
+    split = ref.text[b - 1 : b + 1]  # one character of each neighbouring token
+    final, streamed = run_streamed(
+        engine, prompt, SamplingParams(max_tokens=16, temperature=0, stop=(split,))
+    )
+    assert final.finish_reason == "stop" and final.text == ref.text[: ref.text.index(split)] == streamed
+    # the stop string is completed by the very token that also hits max_tokens
+    n = next(i for i in range(1, 17) if split in engine.tokenizer.decode(list(ref.token_ids[:i])))
+    final, streamed = run_streamed(engine, prompt, SamplingParams(max_tokens=n, temperature=0, stop=(split,)))
+    assert final.finish_reason == "stop" and final.text == ref.text[: ref.text.index(split)] == streamed
+
+
+def test_duplicate_request_ids_are_refused_while_live(tiny_model):
+    engine = make_engine(tiny_model)
+    engine.add_request([5, 6, 7], greedy(3), request_id="same")
+    with pytest.raises(DuplicateRequestId):
+        engine.add_request([8, 9], greedy(3), request_id="same")
+    run_all(engine)
+    engine.add_request([8, 9], greedy(3), request_id="same")  # free again once the first one ended
+    assert set(run_all(engine)) == {"same"}
+
+
+def test_a_failing_forward_step_fails_its_requests_and_the_engine_goes_on(tiny_model, monkeypatch):
+    engine = make_engine(tiny_model)
+    ids = [engine.add_request(p, greedy(5)).request_id for p in prompts_for(tiny_model, 3, seed=9)]
+    real_run = engine.runner.run
+    calls = iter([RuntimeError("simulated device fault")])
+
+    def flaky(plan):
+        exc = next(calls, None)
+        if exc is not None:
+            raise exc
+        return real_run(plan)
+
+    monkeypatch.setattr(engine.runner, "run", flaky)
+    final = run_all(engine)
+    assert {final[i].error_code for i in ids} == {"internal_error"}
+    later = engine.add_request([5, 6, 7], greedy(4)).request_id
+    assert run_all(engine)[later].finish_reason == "length"

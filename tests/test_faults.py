@@ -14,6 +14,7 @@ import pytest
 
 from kvfence.engine.request import SamplingParams
 from kvfence.faults import Faults
+from kvfence.ids import LeaseId
 from tests.conftest import make_engine, run_all
 from tests.test_engine import solo_outputs
 
@@ -37,7 +38,7 @@ def run_double_lease(model, checks: bool):
     assert not first or not first[0].finished
     faults.double_lease = 1
     oids = [engine.add_request(o, P).request_id for o in others]
-    final = run_all(engine)
+    final = run_all(engine, pool_only=not checks)
     return final, vid, oids, [victim, *others]
 
 
@@ -102,3 +103,20 @@ def test_skip_stamp_mid_batch_fails_one_request(tiny_model, references):
     for i, ref in zip(ids, references, strict=True):
         if i not in failed:
             assert final[i].token_ids == ref
+
+
+def test_late_foreign_write_fails_the_owner_only(tiny_model, references):
+    """A write by someone else (say a late network write for a previous owner) lands on a live request's page
+    between two steps: the owner fails before it reads the page again; everyone else is untouched."""
+    victim, others = victim_and_others(tiny_model)
+    engine = make_engine(tiny_model)
+    ids = [engine.add_request(p, P).request_id for p in [victim, *others]]
+    engine.step()
+    engine.step()
+    target = engine._requests[ids[0]]
+    page = target.pages[0]
+    engine.runner.cache.kv[:, :, page] = 0.0
+    engine.pool.stamp([page], [LeaseId(0xDEAD)])  # the late writer's stale lease
+    final = run_all(engine)
+    assert final[ids[0]].error_code == "kv_integrity_error"
+    assert [final[i].token_ids for i in ids[1:]] == references[1:]

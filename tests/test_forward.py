@@ -6,6 +6,8 @@ single-token decodes. Each must reproduce transformers' logits at the same posit
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import transformers
@@ -113,23 +115,29 @@ def test_smollm2_bfloat16_tracks_float32(smollm2):
     assert torch.isfinite(bf16).all()
 
 
-def test_runner_plan_roundtrip_uses_only_block_table_pages(tiny_model):
-    """A plan whose block table names pages the pool never wrote reads garbage, proving reads go via pages."""
+def test_runner_reads_and_writes_only_block_table_pages(tiny_model):
+    """Poison every page outside the block table with NaN: results are unchanged. Poison one page inside it:
+    they change. Writes never land outside the block table either."""
     from kvfence.engine.model_runner import ModelRunner
 
     model = LlamaForCausalLM.from_weights(tiny_model.config, tiny_model.weights, torch.float32, "cpu")
-    runner = ModelRunner(model, num_pages=8, page_size=4, dtype=torch.float32, device="cpu")
-    ids = list(range(3, 13))
-    row = PlanRow(
-        RequestId("r"),
-        tuple(ids),
-        0,
-        (PageId(5), PageId(2), PageId(7)),
-        (LeaseId(1),) * 3,
-        True,
-        SamplingParams(temperature=0),
-        0,
-    )
-    result = runner.run(Plan((row,), 1))
-    assert result.written_pages[RequestId("r")] == (5, 2, 7)
-    assert runner.cache.kv[:, :, [0, 1, 3, 4, 6]].abs().sum() == 0, "no write outside the block table"
+    table = (PageId(5), PageId(2), PageId(7))
+    greedy = SamplingParams(temperature=0, logprobs=0)
+
+    def run(poison: list[int], poison_after_prefill: list[int] = ()) -> float:
+        runner = ModelRunner(model, num_pages=8, page_size=4, dtype=torch.float32, device="cpu")
+        runner.cache.kv[:, :, poison] = float("nan")
+        rid = RequestId("r")
+        prefill = PlanRow(rid, tuple(range(3, 13)), 0, table, (LeaseId(1),) * 3, False, greedy, 0)
+        result = runner.run(Plan((prefill,), 1))
+        assert result.written == ((0, 1, 2),)
+        runner.cache.kv[:, :, list(poison_after_prefill)] = float("nan")
+        decode = PlanRow(rid, (13,), 10, table, (LeaseId(1),) * 3, True, greedy, 0)
+        result = runner.run(Plan((decode,), 2))
+        assert result.logprobs is not None
+        return result.logprobs[rid][0]
+
+    clean = run([])
+    outside = [0, 1, 3, 4, 6, 8]  # every page outside the table, and the scratch page
+    assert run(outside) == clean
+    assert math.isnan(run([], poison_after_prefill=[2]))  # the decode reads page 2: it is in the table

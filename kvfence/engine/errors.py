@@ -54,3 +54,8 @@ class InvalidSamplingParams(AdmissionError):
     def __init__(self, param: str, message: str) -> None:
         self.param = param
         super().__init__(message)
+
+
+class DuplicateRequestId(AdmissionError):
+    code = "duplicate_request_id"
+    param = "request_id"

@@ -18,11 +18,12 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from kvfence.engine.admission import Limits, admit
 from kvfence.engine.config import EngineConfig
-from kvfence.engine.errors import InvalidSamplingParams
+from kvfence.engine.errors import DuplicateRequestId, InvalidSamplingParams
 from kvfence.engine.model_runner import ModelRunner
 from kvfence.engine.output import OutputProcessor, RequestOutput
 from kvfence.engine.plan import Plan, StepResult
@@ -31,7 +32,7 @@ from kvfence.engine.scheduler import Scheduled, Scheduler, SchedulerConfig
 from kvfence.faults import Faults
 from kvfence.ids import RequestId
 from kvfence.kv.integrity import ReadSet, Violation, check_reads
-from kvfence.kv.pool import PagePool
+from kvfence.kv.pool import PagePool, PageState
 from kvfence.model.llama import LlamaForCausalLM
 from kvfence.model.loader import LoadedModel, load_model
 
@@ -90,7 +91,8 @@ class LLMEngine:
         self._lock = threading.Lock()
         self._inbox: list[Request] = []
         self._aborts: set[RequestId] = set()
-        self._requests: dict[RequestId, Request] = {}
+        self._requests: dict[RequestId, Request] = {}  # engine thread only
+        self._live_ids: set[RequestId] = set()  # under _lock: every id from admission until the request ends
         self._ids = itertools.count()
         self._arrivals = itertools.count()
         self._step_no = 0
@@ -115,13 +117,19 @@ class LLMEngine:
             with self._lock:
                 self.stats.count(f"rejected:{getattr(exc, 'code', 'invalid')}")
             raise
-        rid = RequestId(request_id or f"req-{next(self._ids)}")
-        request = Request(rid, token_ids, params, tenant=tenant, arrival=next(self._arrivals))
         with self._lock:
-            if rid in self._requests or any(r.request_id == rid for r in self._inbox):
-                raise ValueError(f"duplicate request id {rid!r}")
+            rid = RequestId(request_id) if request_id else self._fresh_id()
+            if rid in self._live_ids:
+                raise DuplicateRequestId(f"request id {rid!r} is already in use")
+            self._live_ids.add(rid)
+            request = Request(rid, token_ids, params, tenant=tenant, arrival=next(self._arrivals))
             self._inbox.append(request)
         return request
+
+    def _fresh_id(self) -> RequestId:
+        while (rid := RequestId(f"req-{next(self._ids)}")) in self._live_ids:
+            pass
+        return rid
 
     def abort(self, request_id: str) -> None:
         """Abort a request at any time; takes effect between steps. Unknown or finished ids are ignored."""
@@ -152,6 +160,13 @@ class LLMEngine:
             self._stamp(plan, result)
             scheduled, failed = self._verify(scheduled, after_step=True)
             outputs += failed
+        except Exception:
+            # A step that blows up must not wedge the engine: fail the requests it carried (their pages are
+            # released under the step's hold, so they stay quarantined until it is dropped below) and go on.
+            log.exception("forward step %d failed; failing its %d requests", plan.step, len(scheduled))
+            return outputs + [
+                self._fail(s.request, "internal_error") for s in scheduled if not s.request.state.terminal
+            ]
         finally:
             self.pool.unhold(held)
         self.stats.steps += 1
@@ -165,13 +180,13 @@ class LLMEngine:
         return outputs
 
     def _drain_inbox(self) -> list[RequestOutput]:
-        with self._lock:
+        with self._lock:  # adds move to the scheduler under the lock so has_unfinished() never misses them
             inbox, self._inbox = self._inbox, []
             aborts, self._aborts = self._aborts, set()
-        for request in inbox:
-            self._requests[request.request_id] = request
-            self.scheduler.add(request)
-            self.outputs.add(request)
+            for request in inbox:
+                self._requests[request.request_id] = request
+                self.scheduler.add(request)
+                self.outputs.add(request)
         outputs = []
         for rid in aborts:
             target = self._requests.get(rid)
@@ -183,14 +198,11 @@ class LLMEngine:
         return outputs
 
     def _stamp(self, plan: Plan, result: StepResult) -> None:
-        """Tag every page the runner reports it wrote with the writer's lease (from the write path, I1)."""
-        if not self.integrity_checks:
-            return
+        """Tag every page the runner reports it wrote with the writer's lease (from the write path, I1).
+        Stamping is part of writing and always happens; only the checks can be switched off."""
         t0 = time.perf_counter()
-        for row in plan.rows:
-            pages = result.written_pages[row.request_id]
-            first = row.start_pos // self.config.page_size
-            self.pool.stamp(pages, row.leases[first : first + len(pages)])
+        for row, indices in zip(plan.rows, result.written, strict=True):
+            self.pool.stamp([row.pages[i] for i in indices], [row.leases[i] for i in indices])
         self.stats.integrity_seconds += time.perf_counter() - t0
 
     def _verify(
@@ -231,16 +243,33 @@ class LLMEngine:
                 continue
             integrity_log.error(json.dumps({**violation.as_log(), "tenant": s.request.tenant}))
             self.stats.integrity_failures += 1
-            self.scheduler.finish(s.request, RequestState.FAILED, "error", "kv_integrity_error")
-            failed.append(self.outputs.final(s.request))
-            self._end(s.request)
+            failed.append(self._fail(s.request, "kv_integrity_error"))
         return [s for s in scheduled if s.request.request_id not in bad], failed
+
+    def _fail(self, request: Request, code: str) -> RequestOutput:
+        self.scheduler.finish(request, RequestState.FAILED, "error", code)
+        out = self.outputs.final(request)
+        self._end(request)
+        return out
 
     def _end(self, request: Request) -> None:
         outcome = request.state.value if request.error_code is None else f"failed:{request.error_code}"
         self.stats.count(outcome)
         self._requests.pop(request.request_id, None)
         self.outputs.remove(request)
+        with self._lock:
+            self._live_ids.discard(request.request_id)
+
+    def check_integrity(self) -> None:
+        """Pool invariants, plus: the LEASED pages are exactly the pages live requests hold, each under the lease
+        the request holds. Engine thread only (or with the loop stopped). Raises AssertionError."""
+        self.pool.check_integrity()
+        held = {p: x for r in self._requests.values() for p, x in zip(r.pages, r.leases, strict=True)}
+        leased = {int(p) for p in np.flatnonzero(self.pool.state == PageState.LEASED)}
+        assert set(held) <= leased, "a live request holds a page the pool does not list as leased"
+        stray = leased - set(held)
+        assert not stray, f"pages leased by no live request: {sorted(stray)[:8]}"
+        assert all(int(self.pool.owner[p]) == x for p, x in held.items()), "lease/owner mismatch"
 
     # ---- offline convenience ----------------------------------------------------------------------------
 

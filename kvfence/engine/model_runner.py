@@ -11,7 +11,7 @@ import torch
 
 from kvfence.engine.plan import Plan, PlanRow, StepResult
 from kvfence.faults import Faults
-from kvfence.ids import PageId, RequestId
+from kvfence.ids import RequestId
 from kvfence.model.config import ModelConfig
 from kvfence.model.llama import AttentionMetadata, LlamaForCausalLM, PagedKV, PrefillSeq
 from kvfence.model.sampler import Sampler
@@ -43,18 +43,16 @@ class ModelRunner:
         logits = self.model(token_ids, meta, self.cache)  # [N, V]
         sample_rows = [row for row in plan.rows if row.sample]
         if not sample_rows:
-            return StepResult(sampled={}, written_pages=written)
+            return StepResult(sampled={}, written=written)
         tokens, logprobs = self.sampler(
             logits, [r.params for r in sample_rows], [r.num_generated for r in sample_rows]
         )
         token_list = tokens.tolist()
         sampled = {r.request_id: t for r, t in zip(sample_rows, token_list, strict=True)}
         top = self._logprobs(sample_rows, tokens, logprobs)
-        return StepResult(sampled=sampled, written_pages=written, logprobs=top)
+        return StepResult(sampled=sampled, written=written, logprobs=top)
 
-    def _prepare(
-        self, plan: Plan
-    ) -> tuple[torch.Tensor, AttentionMetadata, dict[RequestId, tuple[PageId, ...]]]:
+    def _prepare(self, plan: Plan) -> tuple[torch.Tensor, AttentionMetadata, tuple[tuple[int, ...], ...]]:
         S, dev = self.page_size, self.device
         tokens: list[int] = []
         positions: list[int] = []
@@ -62,7 +60,7 @@ class ModelRunner:
         prefills: list[PrefillSeq] = []
         decode_rows: list[int] = []
         sample_idx: list[int] = []
-        written: dict[RequestId, tuple[PageId, ...]] = {}
+        written: list[tuple[int, ...]] = []
         for i, row in enumerate(plan.rows):
             q_start = len(tokens)
             tokens.extend(row.token_ids)
@@ -70,7 +68,7 @@ class ModelRunner:
             positions.extend(pos)
             slots.extend(row.pages[p // S] * S + p % S for p in pos)
             first, last = row.start_pos // S, (row.context_len - 1) // S
-            written[row.request_id] = row.pages[first : last + 1]
+            written.append(tuple(range(first, last + 1)))
             if row.num_new_tokens == 1:
                 decode_rows.append(i)
             else:
@@ -91,13 +89,14 @@ class ModelRunner:
         )
         if decode_rows:
             self._prepare_decode(plan, decode_rows, meta)
-        return torch.tensor(tokens, dtype=torch.long, device=dev), meta, written
+        return torch.tensor(tokens, dtype=torch.long, device=dev), meta, tuple(written)
 
     def _prepare_decode(self, plan: Plan, decode_rows: list[int], meta: AttentionMetadata) -> None:
         S, dev = self.page_size, self.device
         rows = [plan.rows[i] for i in decode_rows]
         max_pages = max(len(r.pages) for r in rows)
-        table = [list(r.pages) + [0] * (max_pages - len(r.pages)) for r in rows]
+        pad = self._sink_slot // S  # padding points at the scratch page, never at a page someone owns
+        table = [list(r.pages) + [pad] * (max_pages - len(r.pages)) for r in rows]
         ctx = torch.tensor([r.context_len for r in rows], dtype=torch.long, device=dev)
         flat_idx, offset = [], 0
         for row in plan.rows:
@@ -106,24 +105,22 @@ class ModelRunner:
                 flat_idx.append(offset - 1)
         meta.decode_idx = torch.tensor(flat_idx, dtype=torch.long, device=dev)
         meta.decode_pages = torch.tensor(table, dtype=torch.long, device=dev)
-        # decode_mask: [B, 1, 1, max_pages * S]; padding pages point at page 0 and are masked out
+        # decode_mask: [B, 1, 1, max_pages * S]; positions past each row's context (padding included) are masked
         meta.decode_mask = (torch.arange(max_pages * S, device=dev).unsqueeze(0) < ctx.unsqueeze(1))[
             :, None, None
         ]
 
-    def _maybe_drop_write(
-        self, plan: Plan, slots: torch.Tensor, written: dict[RequestId, tuple[PageId, ...]]
-    ) -> None:
+    def _maybe_drop_write(self, plan: Plan, slots: torch.Tensor, written: list[tuple[int, ...]]) -> None:
         """Fault knob `drop_write`: the first page a prefill row writes is silently not written (its slots are
         redirected to a scratch page outside the pool), and the runner does not report it as written."""
         if not self.faults.any_armed:
             return
         offset = 0
-        for row in plan.rows:
+        for i, row in enumerate(plan.rows):
             full_page = row.start_pos % self.page_size == 0 and row.num_new_tokens > self.page_size
             if full_page and self.faults.fire("drop_write"):
                 slots[offset : offset + self.page_size] = self._sink_slot
-                written[row.request_id] = written[row.request_id][1:]
+                written[i] = written[i][1:]
                 return
             offset += row.num_new_tokens
 

@@ -69,14 +69,16 @@ class OutputProcessor:
         st = self._state[request.request_id]
         new_ids = request.output_token_ids[st.sent_tokens :]
         st.detok.push(new_ids)
-        text = st.detok.text
-        stops = request.params.stop
-        if stops and not request.state.terminal:
-            st.cut = _find_stop(text, stops, start=max(0, st.emitted - max(map(len, stops))))
-            if st.cut is not None:
-                scheduler.finish(request, RequestState.FINISHED, "stop")
-        if request.state.terminal and st.cut is None:
+        if request.state.terminal:
             st.detok.flush()  # a stream that ends mid-character shows the replacement character, as HF does
+        stops = request.params.stop
+        if stops:
+            # also after EOS/max_tokens ended the request: the last token may have completed a stop string
+            st.cut = _find_stop(st.detok.text, stops, start=max(0, st.emitted - max(map(len, stops))))
+            if st.cut is not None and request.state.terminal:
+                request.finish_reason = "stop"
+            elif st.cut is not None:
+                scheduler.finish(request, RequestState.FINISHED, "stop")
         text = st.detok.text if st.cut is None else st.detok.text[: st.cut]
         visible = len(text) if request.state.terminal else len(text) - _held_back(text, stops)
         lp = result.logprobs.get(request.request_id) if result.logprobs else None

@@ -45,8 +45,8 @@ class Plan:
 
 @dataclass(frozen=True, slots=True)
 class StepResult:
-    """What the runner did: the token sampled for each sampling row, and the pages each row actually wrote."""
+    """What the runner did: the token sampled for each sampling row, and which pages each row actually wrote."""
 
     sampled: dict[RequestId, int]
-    written_pages: dict[RequestId, tuple[PageId, ...]]
+    written: tuple[tuple[int, ...], ...]  # per plan row: block-table indices of the pages it actually wrote
     logprobs: dict[RequestId, tuple[float, tuple[tuple[int, float], ...]]] | None = None

@@ -95,7 +95,7 @@ class Request:
     prompt_token_ids: list[int]
     params: SamplingParams
     tenant: str = "anonymous"
-    arrival: int = 0  # admission order; preemption evicts the latest arrival first
+    arrival: int = 0  # admission order
     state: RequestState = RequestState.NEW
     token_ids: list[int] = field(default_factory=list)  # prompt + output, the sequence the KV cache covers
     num_computed_tokens: int = 0  # tokens whose K/V are in this request's pages

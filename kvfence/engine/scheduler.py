@@ -4,8 +4,8 @@ Boundary: plain Python over `Request`s and the `PagePool`; never imports torch, 
 
 Each step (`schedule`):
   1. Running requests first, oldest first: a decode needs one token, an unfinished chunked prefill the next
-     chunk. If the pool cannot cover them, preempt the newest running request (release its pages, recompute
-     later) until it can.
+     chunk. If the pool cannot cover them, preempt the request at the back of the running queue (release its
+     pages, recompute later) until it can.
   2. Then waiting requests, in order, while the token budget, `max_num_seqs` and free pages allow. Long prompts
      are cut into chunks that fit the budget (chunked prefill). New requests never preempt running ones.
 `postprocess` appends sampled tokens, and finishes requests on EOS, stop ids, max_tokens or context length.
@@ -28,6 +28,10 @@ class SchedulerConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     context_length: int = 2048
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be at least 1")
 
 
 @dataclass(frozen=True, slots=True)

@@ -110,10 +110,9 @@ class PagePool:
 
     def _take_page(self) -> PageId:
         # Fault knob: recreate "free while in use" by handing out a page that a live request still leases.
-        if self._last_leased and self.faults.fire("double_lease"):
-            victim = self._last_leased[0].page
-            if self.state[victim] == PageState.LEASED:
-                return victim
+        last = self._last_leased[0].page if self._last_leased else None
+        if last is not None and self.state[last] == PageState.LEASED and self.faults.fire("double_lease"):
+            return last
         return self._free.popleft()
 
     def _new_lease(self) -> LeaseId:
@@ -198,3 +197,7 @@ class PagePool:
         assert (self.owner[leased] != NO_TAG).all() and (self.owner[~leased] == NO_TAG).all(), "owner table"
         assert len(np.unique(self.owner[leased])) == s.num_leased, "one lease id on two pages"
         assert (self.holds >= 0).all() and (self.holds[self.state == PageState.FREE] == 0).all()
+        free_mask = self.state == PageState.FREE
+        assert (self.tag[free_mask] == NO_TAG).all(), "a free page still carries a tag"
+        stuck = (self.state == PageState.QUARANTINED) & (self.holds == 0)
+        assert not stuck.any(), "a quarantined page that nobody holds never went back to the free list"
