@@ -1,0 +1,1 @@
+"""Disaggregated prefill/decode: the KV transfer protocol (sans-IO state machines) and, later, its transports."""

@@ -1,0 +1,171 @@
+"""Decode side of the KV transfer: reservations, frame validation (I2), completeness and digest (I3),
+revocation (I4). Sans-IO: events in, verdicts out; the caller moves bytes and writes KV.
+
+Atomicity contract: the caller runs `on_frame` and, if it returns `Applied`, writes the payload into the page
+before it handles any other event for this receiver (one thread, or one lock around both). Revocation then
+happens strictly before or strictly after a frame's validate-and-write, so once `revoke` returns no frame for
+the transfer can land, and its pages can go back to the pool at once (through quarantine).
+
+Reservation lifecycle:  reserve -> RESERVED --all frames + final with matching count and digest--> handed over
+                                       |--revoke / bad final / abort--> revoked (pages released, id remembered)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvfence.ids import RequestId
+from kvfence.kv.pool import Lease, PagePool
+from kvfence.pd.digest import page_digest, transfer_digest
+from kvfence.pd.messages import FinalFrame, FrameAck, PageFrame, Ticket, TransferId
+
+
+@dataclass(frozen=True, slots=True)
+class Applied:
+    """The frame is valid: write `frame.payload` into `lease.page` now, then send `ack`."""
+
+    lease: Lease
+    ack: FrameAck
+
+
+@dataclass(frozen=True, slots=True)
+class Dropped:
+    reason: str  # unknown_transfer | revoked | completed | bad_index | wrong_page | wrong_lease | stale_lease
+    # | duplicate | bad_size
+    ack: FrameAck | None = None  # a duplicate of an applied frame is acknowledged again, never re-applied
+
+
+@dataclass(frozen=True, slots=True)
+class Ready:
+    """Every reserved page was written exactly once and the digest matched: the request may decode."""
+
+    request_id: RequestId
+    leases: tuple[Lease, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Failed:
+    request_id: RequestId
+    reason: str
+
+
+@dataclass(slots=True)
+class _Reservation:
+    request_id: RequestId
+    leases: list[Lease]
+    digests: list[bytes | None]
+
+    @property
+    def num_written(self) -> int:
+        return sum(d is not None for d in self.digests)
+
+
+@dataclass
+class ReceiverStats:
+    applied: int = 0
+    dropped: dict[str, int] = field(default_factory=dict)
+    completed: int = 0
+    failed: dict[str, int] = field(default_factory=dict)
+
+    def count(self, table: dict[str, int], reason: str) -> None:
+        table[reason] = table.get(reason, 0) + 1
+
+
+class TransferReceiver:
+    def __init__(self, pool: PagePool, layout: str, page_bytes: int) -> None:
+        self.pool = pool
+        self.layout = layout
+        self.page_bytes = page_bytes
+        self._active: dict[TransferId, _Reservation] = {}
+        self._ended: dict[TransferId, str] = {}  # "completed" | "revoked": late messages are dropped by these
+        self.stats = ReceiverStats()
+
+    def reserve(self, transfer_id: TransferId, request_id: RequestId, num_pages: int) -> Ticket:
+        """Lease pages for a transfer and return the ticket to send to prefill. Raises PoolExhausted."""
+        if transfer_id in self._active or transfer_id in self._ended:
+            raise ValueError(f"transfer id {transfer_id} was already used")
+        leases = self.pool.allocate(num_pages)
+        self._active[transfer_id] = _Reservation(request_id, leases, [None] * num_pages)
+        return Ticket(
+            transfer_id,
+            request_id,
+            tuple(x.page for x in leases),
+            tuple(x.lease for x in leases),
+            self.layout,
+        )
+
+    def on_frame(self, frame: PageFrame) -> Applied | Dropped:
+        """I2: apply a frame only if it matches the reservation and the page's current lease, exactly once."""
+        res = self._active.get(frame.transfer_id)
+        if res is None:
+            return self._drop(self._ended.get(frame.transfer_id, "unknown_transfer"))
+        if not 0 <= frame.index < len(res.leases):
+            return self._drop("bad_index")
+        lease = res.leases[frame.index]
+        if frame.page_id != lease.page:
+            return self._drop("wrong_page")
+        if frame.lease_id != lease.lease:
+            return self._drop("wrong_lease")
+        if int(self.pool.owner[lease.page]) != lease.lease:
+            return self._drop("stale_lease")
+        ack = FrameAck(frame.transfer_id, frame.index)
+        if res.digests[frame.index] is not None:
+            return self._drop("duplicate", ack)
+        if len(frame.payload) != self.page_bytes:
+            return self._drop("bad_size")
+        res.digests[frame.index] = page_digest(frame.payload)
+        self.pool.stamp([lease.page], [lease.lease])
+        self.stats.applied += 1
+        return Applied(lease, ack)
+
+    def on_final(self, final: FinalFrame) -> Ready | Failed | Dropped:
+        """I3: decodable only with every page written once, the count the ticket reserved, and equal digests."""
+        res = self._active.get(final.transfer_id)
+        if res is None:
+            return self._drop(self._ended.get(final.transfer_id, "unknown_transfer"))
+        if final.num_pages != len(res.leases):
+            return self._fail(final.transfer_id, f"page_count_mismatch: reserved {len(res.leases)}, "
+                              f"prefill reports {final.num_pages}")  # fmt: skip
+        if res.num_written != len(res.leases):
+            return self._fail(
+                final.transfer_id, f"incomplete: {res.num_written} of {len(res.leases)} pages written"
+            )
+        digests = [d for d in res.digests if d is not None]
+        if transfer_digest(digests) != final.digest:
+            return self._fail(final.transfer_id, "digest_mismatch")
+        del self._active[final.transfer_id]
+        self._ended[final.transfer_id] = "completed"
+        self.stats.completed += 1
+        return Ready(res.request_id, tuple(res.leases))
+
+    def revoke(self, transfer_id: TransferId, reason: str) -> Failed | None:
+        """Abort a transfer (timeout, client gone, prefill error). From now on its frames are dropped on arrival,
+        so its pages can be released at once. Returns None if the transfer is not active."""
+        if transfer_id not in self._active:
+            return None
+        return self._fail(transfer_id, reason)
+
+    def _fail(self, transfer_id: TransferId, reason: str) -> Failed:
+        res = self._active.pop(transfer_id)
+        self._ended[transfer_id] = "revoked"
+        refused = self.pool.release(res.leases)
+        assert not refused, f"transfer {transfer_id} held pages it did not own: {refused}"
+        self.stats.count(self.stats.failed, reason.split(":")[0])
+        return Failed(res.request_id, reason)
+
+    def _drop(self, reason: str, ack: FrameAck | None = None) -> Dropped:
+        self.stats.count(self.stats.dropped, reason)
+        return Dropped(reason, ack)
+
+    @property
+    def num_active(self) -> int:
+        return len(self._active)
+
+    def check_integrity(self) -> None:
+        """Every page of every active reservation is leased to it in the pool."""
+        self.pool.check_integrity()
+        for tid, res in self._active.items():
+            for lease in res.leases:
+                assert int(self.pool.owner[lease.page]) == lease.lease, (
+                    f"transfer {tid} lost page {lease.page}"
+                )
