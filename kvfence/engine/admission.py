@@ -19,14 +19,17 @@ class Limits:
     page_size: int
 
 
-def admit(num_prompt_tokens: int, params: SamplingParams, limits: Limits) -> None:
-    """Raise an `AdmissionError` subclass if the request can never run; return None if it can."""
+def admit(num_prompt_tokens: int, params: SamplingParams, limits: Limits, prefill_only: bool = False) -> None:
+    """Raise an `AdmissionError` subclass if the request can never run; return None if it can.
+    `prefill_only`: this pool holds only the prompt and the first token (a PD prefill worker)."""
     if num_prompt_tokens < 1:
         raise EmptyPromptError()
     total = num_prompt_tokens + params.max_tokens
     if total > limits.context_length:
         raise ContextLengthExceeded(num_prompt_tokens, params.max_tokens, limits.context_length)
     # A request whose whole sequence cannot fit the pool would preempt itself forever: refuse it now.
+    if prefill_only:
+        total = num_prompt_tokens + 1
     num_pages = -(-total // limits.page_size)
     if num_pages > limits.pool_pages:
         raise PoolCapacityExceeded(total, num_pages, limits.pool_pages, limits.page_size)

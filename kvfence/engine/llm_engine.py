@@ -32,7 +32,7 @@ from kvfence.engine.scheduler import Scheduled, Scheduler, SchedulerConfig
 from kvfence.faults import Faults
 from kvfence.ids import RequestId
 from kvfence.kv.integrity import ReadSet, Violation, check_reads
-from kvfence.kv.pool import PagePool, PageState
+from kvfence.kv.pool import Lease, PagePool, PageState
 from kvfence.model.llama import LlamaForCausalLM
 from kvfence.model.loader import LoadedModel, load_model
 
@@ -106,12 +106,27 @@ class LLMEngine:
         params: SamplingParams | None = None,
         request_id: str | None = None,
         tenant: str = "anonymous",
+        prefill_only: bool = False,
     ) -> Request:
-        """Admit a request (I5: raises an AdmissionError before anything is allocated) and queue it."""
+        """Admit a request (I5: raises an AdmissionError before anything is allocated) and queue it.
+        `prefill_only` (PD prefill worker): stop after the first token; the pages wait for `take_handoffs`."""
+        request = self._admit(prompt, params, request_id, tenant, prefill_only)
+        with self._lock:
+            self._inbox.append(request)
+        return request
+
+    def _admit(
+        self,
+        prompt: str | Sequence[int],
+        params: SamplingParams | None,
+        request_id: str | None,
+        tenant: str,
+        prefill_only: bool = False,
+    ) -> Request:
         params = params or SamplingParams()
         token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         try:
-            admit(len(token_ids), params, self.limits)
+            admit(len(token_ids), params, self.limits, prefill_only)
             if any(not 0 <= t < self.model_config.vocab_size for t in token_ids):
                 raise InvalidSamplingParams("prompt", "prompt contains token ids outside the vocabulary")
         except Exception as exc:
@@ -123,8 +138,8 @@ class LLMEngine:
             if rid in self._live_ids:
                 raise DuplicateRequestId(f"request id {rid!r} is already in use")
             self._live_ids.add(rid)
-            request = Request(rid, token_ids, params, tenant=tenant, arrival=next(self._arrivals))
-            self._inbox.append(request)
+        request = Request(rid, token_ids, params, tenant=tenant, arrival=next(self._arrivals))
+        request.prefill_only = prefill_only
         return request
 
     def _fresh_id(self) -> RequestId:
@@ -138,8 +153,48 @@ class LLMEngine:
             self._aborts.add(RequestId(request_id))
 
     def has_unfinished(self) -> bool:
+        """True while any admitted request has not ended (queued, running, or in a PD transfer)."""
         with self._lock:
-            return bool(self._inbox) or self.scheduler.num_unfinished > 0
+            return bool(self._live_ids)
+
+    # ---- PD hand-over (engine thread only; the worker runs transfers on the engine thread, see kvfence/pd) ----
+
+    def take_handoffs(self) -> list[Request]:
+        """Prefill side: requests whose prompt K/V and first token are ready; their pages wait for a transfer."""
+        handed, self.scheduler.handed_off = self.scheduler.handed_off, []
+        return handed
+
+    def finish_transfer(self, request_id: str) -> None:
+        """Prefill side: the transfer no longer needs the pages (sent and acknowledged, or aborted)."""
+        request = self._requests[RequestId(request_id)]
+        self.scheduler.finish(request, RequestState.FINISHED, "transferred")
+        self._end(request)
+
+    def expect_transfer(
+        self, prompt_ids: Sequence[int], params: SamplingParams, request_id: str, tenant: str = "anonymous"
+    ) -> Request:
+        """Decode side: admit a request whose prompt K/V will arrive by transfer (NEW -> AWAITING_KV)."""
+        request = self._admit(prompt_ids, params, request_id, tenant)
+        request.transition(RequestState.WAITING)
+        request.transition(RequestState.AWAITING_KV)
+        self._requests[request.request_id] = request
+        self.outputs.add(request)
+        return request
+
+    def complete_transfer(self, request_id: str, leases: Sequence[Lease], first_token: int) -> None:
+        """Decode side: every page arrived and verified (I3); the request adopts them and starts decoding."""
+        request = self._requests[RequestId(request_id)]
+        request.add_leases(list(leases))
+        request.num_computed_tokens = request.num_prompt_tokens
+        request.token_ids.append(first_token)
+        self.scheduler.adopt(request)
+
+    def fail_transfer(self, request_id: str, code: str) -> RequestOutput | None:
+        """Decode side: the transfer failed or was revoked; the request ends with an error, never decodes."""
+        request = self._requests.get(RequestId(request_id))
+        if request is None or request.state.terminal:
+            return None
+        return self._fail(request, code)
 
     # ---- the engine loop (one thread) -------------------------------------------------------------------
 
@@ -261,11 +316,13 @@ class LLMEngine:
         with self._lock:
             self._live_ids.discard(request.request_id)
 
-    def check_integrity(self) -> None:
-        """Pool invariants, plus: the LEASED pages are exactly the pages live requests hold, each under the lease
-        the request holds. Engine thread only (or with the loop stopped). Raises AssertionError."""
+    def check_integrity(self, other_holders: Sequence[Lease] = ()) -> None:
+        """Pool invariants, plus: the LEASED pages are exactly the pages live requests (and `other_holders`,
+        e.g. a PD receiver's reservations) hold, each under the lease it holds. Engine thread only (or with the
+        loop stopped). Raises AssertionError."""
         self.pool.check_integrity()
         held = {p: x for r in self._requests.values() for p, x in zip(r.pages, r.leases, strict=True)}
+        held.update({x.page: x.lease for x in other_holders})
         leased = {int(p) for p in np.flatnonzero(self.pool.state == PageState.LEASED)}
         assert set(held) <= leased, "a live request holds a page the pool does not list as leased"
         stray = leased - set(held)

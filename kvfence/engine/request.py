@@ -105,6 +105,7 @@ class Request:
     error_code: str | None = None
     num_preemptions: int = 0
     num_pages_checked: int = 0  # pages verified by I1 checks over the request's life
+    prefill_only: bool = False  # PD prefill side: stop after the first token and hand the pages to a transfer
 
     def __post_init__(self) -> None:
         if not self.token_ids:

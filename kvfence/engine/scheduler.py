@@ -48,6 +48,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self.handed_off: list[Request] = []  # PD prefill: requests whose pages await a transfer
 
     def add(self, request: Request) -> None:
         request.transition(RequestState.WAITING)
@@ -142,11 +143,25 @@ class Scheduler:
             if token is None:
                 continue  # a prefill chunk that did not reach the end of the prompt
             request.token_ids.append(token)
+            if request.prefill_only:
+                self._hand_off(request)
+                continue
             reason = self._stop_reason(request, token)
             if reason is not None:
                 self.finish(request, RequestState.FINISHED, reason)
                 finished.append(request)
         return finished
+
+    def _hand_off(self, request: Request) -> None:
+        """PD prefill: the prompt's K/V and first token are done; keep the pages for the transfer."""
+        self.running.remove(request)
+        request.transition(RequestState.TRANSFERRING)
+        self.handed_off.append(request)
+
+    def adopt(self, request: Request) -> None:
+        """PD decode: a request whose prompt K/V arrived by transfer joins the running batch."""
+        request.transition(RequestState.RUNNING)
+        self.running.append(request)
 
     def _stop_reason(self, request: Request, token: int) -> str | None:
         params = request.params

@@ -67,6 +67,19 @@ class PagedKV:
         flat[0, slots] = k
         flat[1, slots] = v
 
+    def page_bytes(self) -> int:
+        """Bytes of one page across all layers, K and V: the payload of one transfer frame."""
+        return self.kv[:, :, 0].numel() * self.kv.element_size()
+
+    def read_page(self, page: int) -> bytes:
+        """One page's K/V for all layers as bytes, layout [L, 2, S, Hkv, Dh] (independent of placement)."""
+        return bytes(self.kv[:, :, page].contiguous().view(torch.uint8).cpu().numpy().tobytes())
+
+    def write_page(self, page: int, payload: bytes) -> None:
+        """Inverse of read_page: the receiving side of a transfer frame."""
+        block = torch.frombuffer(bytearray(payload), dtype=torch.uint8).view(self.kv.dtype)
+        self.kv[:, :, page] = block.view(self.kv[:, :, page].shape).to(self.kv.device)
+
     def gather(self, layer: int, pages: Tensor) -> tuple[Tensor, Tensor]:
         """K and V for the pages of a block table: pages [..., n] -> [..., n * S, Hkv, Dh]."""
         # index_select over [P, S*Hkv*Dh] rows copies whole pages; several times faster than advanced indexing

@@ -157,6 +157,10 @@ class TransferReceiver:
         self.stats.count(self.stats.dropped, reason)
         return Dropped(reason, ack)
 
+    def reserved_leases(self) -> list[Lease]:
+        """Every lease held by an active reservation (for the engine's integrity check)."""
+        return [x for res in self._active.values() for x in res.leases]
+
     @property
     def num_active(self) -> int:
         return len(self._active)

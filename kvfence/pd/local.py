@@ -1,0 +1,133 @@
+"""An in-process prefill/decode pair: two engines, two pools, the real transfer state machines between them.
+
+This is the reference wiring of the PD data path without sockets: the prefill engine runs prompts to their first
+token and hands the pages over; a `TransferSender` streams them as frames; the decode side's
+`TransferReceiver` validates and applies each frame into the decode engine's own pool; on `Ready` the decode
+engine adopts the pages and decodes. The ZeroMQ workers run the same calls, one process per role. Everything
+here runs on one thread, which gives the receiver's atomicity contract (validate + write + revoke) for free.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from kvfence.engine.llm_engine import LLMEngine
+from kvfence.engine.output import RequestOutput
+from kvfence.engine.request import Request, SamplingParams
+from kvfence.ids import RequestId
+from kvfence.pd.messages import Abort, AbortAck, FinalFrame, FrameAck, PageFrame, TransferId
+from kvfence.pd.receiver import Applied, Failed, Ready, TransferReceiver
+from kvfence.pd.sender import ReleaseLocal, SendAbort, SendFinal, SendFrames, TransferSender
+
+
+def layout_fingerprint(engine: LLMEngine) -> str:
+    c = engine.model_config
+    return (
+        f"{c.name}/{c.architecture}/L{c.num_layers}/kv{c.num_kv_heads}x{c.head_dim}/"
+        f"{engine.config.dtype}/ps{engine.config.page_size}"
+    )
+
+
+@dataclass
+class PDFaults:
+    # The 2026 incident: the prefill side was handed a 1-token placeholder and believes the prompt is one page.
+    placeholder_prefill: int = 0
+
+
+@dataclass
+class _Transfer:
+    request: Request  # the prefill engine's request (holds the pages being sent)
+    sender: TransferSender
+    first_token: int
+
+
+@dataclass
+class LocalPDPair:
+    prefill: LLMEngine
+    decode: LLMEngine
+    window: int = 8
+    faults: PDFaults = field(default_factory=PDFaults)
+
+    def __post_init__(self) -> None:
+        layout = layout_fingerprint(self.decode)
+        assert layout == layout_fingerprint(self.prefill), "prefill and decode must share the KV layout"
+        self.receiver = TransferReceiver(self.decode.pool, layout, self.decode.runner.cache.page_bytes())
+        self._transfers: dict[TransferId, _Transfer] = {}
+        self._ids = itertools.count(1)
+        self.failed: list[RequestOutput] = []
+
+    def add_request(self, prompt_ids: Sequence[int], params: SamplingParams, request_id: str) -> None:
+        """Admission on both sides first (I5), then the prefill starts."""
+        self.decode.expect_transfer(prompt_ids, params, request_id)
+        self.prefill.add_request(prompt_ids, params, request_id=request_id, prefill_only=True)
+
+    def step(self) -> list[RequestOutput]:
+        if self.prefill.has_unfinished():
+            self.prefill.step()
+            for request in self.prefill.take_handoffs():
+                self._start_transfer(request)
+        outputs = self.failed + self.decode.step()
+        self.failed = []
+        return outputs
+
+    def has_unfinished(self) -> bool:
+        return self.prefill.has_unfinished() or self.decode.has_unfinished()
+
+    def _start_transfer(self, request: Request) -> None:
+        tid = TransferId(next(self._ids))
+        ticket = self.receiver.reserve(tid, request.request_id, len(request.pages))
+        num_local = len(request.pages)
+        if self.faults.placeholder_prefill > 0:
+            self.faults.placeholder_prefill -= 1
+            num_local = 1
+        sender = TransferSender(ticket, num_local, layout_fingerprint(self.prefill), self.window)
+        self._transfers[tid] = _Transfer(request, sender, request.token_ids[-1])
+        self._run(tid, sender.start())
+
+    def _run(self, tid: TransferId, actions: list) -> None:  # type: ignore[type-arg]
+        """Deliver sender actions to the receiver at once (an in-memory, in-order, lossless transport)."""
+        transfer = self._transfers[tid]
+        for action in actions:
+            if isinstance(action, SendFrames):
+                for i in action.indices:
+                    payload = self.prefill.runner.cache.read_page(transfer.request.pages[i])
+                    self._deliver_frame(tid, transfer.sender.frame(i, payload))
+            elif isinstance(action, SendFinal):
+                self._deliver_final(tid, action.final)
+            elif isinstance(action, SendAbort) and not isinstance(action.abort, AbortAck):
+                self._fail(tid, self.receiver.revoke(tid, action.abort.reason), "transfer_failed")
+            elif isinstance(action, ReleaseLocal):
+                self.prefill.finish_transfer(transfer.request.request_id)
+
+    def _deliver_frame(self, tid: TransferId, frame: PageFrame) -> None:
+        verdict = self.receiver.on_frame(frame)
+        if isinstance(verdict, Applied):
+            self.decode.runner.cache.write_page(verdict.lease.page, frame.payload)
+        if verdict.ack is not None:
+            self._run(tid, self._transfers[tid].sender.on_ack(FrameAck(tid, verdict.ack.index)))
+
+    def _deliver_final(self, tid: TransferId, final: FinalFrame) -> None:
+        result = self.receiver.on_final(final)
+        transfer = self._transfers.pop(tid)
+        if isinstance(result, Ready):
+            self.decode.complete_transfer(result.request_id, result.leases, transfer.first_token)
+        elif isinstance(result, Failed):
+            self._fail(tid, result, "kv_integrity_error")
+
+    def _fail(self, tid: TransferId, result: Failed | None, code: str) -> None:
+        if result is not None:
+            out = self.decode.fail_transfer(RequestId(result.request_id), code)
+            if out is not None:
+                self.failed.append(out)
+        transfer = self._transfers.get(tid)
+        if transfer is not None:
+            actions = transfer.sender.on_abort(Abort(tid, code))
+            self._run(tid, [a for a in actions if isinstance(a, ReleaseLocal)])
+            self._transfers.pop(tid, None)
+
+    def check_integrity(self) -> None:
+        self.prefill.check_integrity()
+        self.decode.check_integrity(other_holders=self.receiver.reserved_leases())
+        self.receiver.check_integrity()
