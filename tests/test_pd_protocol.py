@@ -82,9 +82,9 @@ def test_a_sender_that_claims_completion_early_fails_the_request():
     ticket = rx.reserve(TransferId(8), RequestId("victim"), 8)
     frame = PageFrame(ticket.transfer_id, 0, ticket.page_ids[0], ticket.lease_ids[0], payload(8, 0))
     assert isinstance(rx.on_frame(frame), Applied)
-    result = rx.on_final(FinalFrame(ticket.transfer_id, 8, b"whatever"))
+    result = rx.on_final(FinalFrame(ticket.transfer_id, 8, b"whatever", 0))
     assert isinstance(result, Failed) and result.reason.startswith("incomplete: 1 of 8")
-    result = rx.on_final(FinalFrame(ticket.transfer_id, 1, b"whatever"))
+    result = rx.on_final(FinalFrame(ticket.transfer_id, 1, b"whatever", 0))
     assert isinstance(result, Dropped) and result.reason == "revoked"
     assert rx.pool.num_free == rx.pool.num_pages
 
@@ -232,7 +232,9 @@ def simulate(seed: int, num_transfers: int, pool_pages: int, p_drop: float, p_du
                     outcome[tid] = "ready"
                 elif isinstance(result, Failed):
                     outcome[msg.transfer_id] = "failed"
-            elif isinstance(msg, Abort | AbortAck) and rx.revoke(msg.transfer_id, "prefill_abort") is not None:
+            elif (
+                isinstance(msg, Abort | AbortAck) and rx.revoke(msg.transfer_id, "prefill_abort") is not None
+            ):
                 outcome[msg.transfer_id] = "failed"
         else:
             # Nothing in flight: every stuck transfer times out at the receiver (revocation, never a bare free)

@@ -40,7 +40,6 @@ class PDFaults:
 class _Transfer:
     request: Request  # the prefill engine's request (holds the pages being sent)
     sender: TransferSender
-    first_token: int
 
 
 @dataclass
@@ -82,8 +81,9 @@ class LocalPDPair:
         if self.faults.placeholder_prefill > 0:
             self.faults.placeholder_prefill -= 1
             num_local = 1
-        sender = TransferSender(ticket, num_local, layout_fingerprint(self.prefill), self.window)
-        self._transfers[tid] = _Transfer(request, sender, request.token_ids[-1])
+        layout = layout_fingerprint(self.prefill)
+        sender = TransferSender(ticket, num_local, layout, self.window, first_token=request.token_ids[-1])
+        self._transfers[tid] = _Transfer(request, sender)
         self._run(tid, sender.start())
 
     def _run(self, tid: TransferId, actions: list) -> None:  # type: ignore[type-arg]
@@ -110,9 +110,9 @@ class LocalPDPair:
 
     def _deliver_final(self, tid: TransferId, final: FinalFrame) -> None:
         result = self.receiver.on_final(final)
-        transfer = self._transfers.pop(tid)
+        self._transfers.pop(tid)
         if isinstance(result, Ready):
-            self.decode.complete_transfer(result.request_id, result.leases, transfer.first_token)
+            self.decode.complete_transfer(result.request_id, result.leases, result.first_token)
         elif isinstance(result, Failed):
             self._fail(tid, result, "kv_integrity_error")
 

@@ -3,7 +3,7 @@
 decode  --Ticket-->      prefill     pages reserved for a transfer: (transfer id, page ids, lease ids)
 prefill --PageFrame-->   decode      one page of K/V for (transfer id, index, page id, lease id)
 decode  --FrameAck-->    prefill     frame `index` was applied (or was a duplicate of an applied one)
-prefill --FinalFrame-->  decode      page count + digest over all pages in logical order
+prefill --FinalFrame-->  decode      page count + digest over all pages in logical order, first token
 either  --Abort-->       the other   stop: the sender of Abort no longer needs the transfer
 prefill --AbortAck-->    decode      nothing more for this transfer is in flight from prefill
 """
@@ -56,6 +56,7 @@ class FinalFrame:
     transfer_id: TransferId
     num_pages: int
     digest: bytes
+    first_token: int  # the token prefill sampled after the prompt; decode continues from it
     version: int = SCHEMA_VERSION
 
 

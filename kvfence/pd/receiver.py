@@ -41,6 +41,7 @@ class Ready:
 
     request_id: RequestId
     leases: tuple[Lease, ...]
+    first_token: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,7 +137,7 @@ class TransferReceiver:
         del self._active[final.transfer_id]
         self._ended[final.transfer_id] = "completed"
         self.stats.completed += 1
-        return Ready(res.request_id, tuple(res.leases))
+        return Ready(res.request_id, tuple(res.leases), final.first_token)
 
     def revoke(self, transfer_id: TransferId, reason: str) -> Failed | None:
         """Abort a transfer (timeout, client gone, prefill error). From now on its frames are dropped on arrival,

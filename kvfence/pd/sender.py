@@ -47,9 +47,12 @@ class SenderState(Enum):
 
 
 class TransferSender:
-    def __init__(self, ticket: Ticket, num_local_pages: int, layout: str, window: int) -> None:
+    def __init__(
+        self, ticket: Ticket, num_local_pages: int, layout: str, window: int, first_token: int = 0
+    ) -> None:
         assert window >= 1
         self.ticket = ticket
+        self.first_token = first_token  # sampled by prefill after the prompt; travels in the final frame
         self.window = window
         self.state = SenderState.SENDING
         self._local_pages = num_local_pages
@@ -82,7 +85,9 @@ class TransferSender:
             self.state = SenderState.DONE
             digest = transfer_digest(d for d in self._digests if d is not None)
             return [
-                SendFinal(FinalFrame(self.ticket.transfer_id, self.ticket.num_pages, digest)),
+                SendFinal(
+                    FinalFrame(self.ticket.transfer_id, self.ticket.num_pages, digest, self.first_token)
+                ),
                 ReleaseLocal(),
             ]
         return self._fill_window()

@@ -1,0 +1,115 @@
+"""Wire format of the transfer protocol's messages: ZeroMQ multipart frames, strictly validated on arrival.
+
+    PageFrame:      [b"F", header (struct: version, transfer id, index, page id, lease id), payload]
+    anything else:  [kind byte, JSON object]
+
+The payload of a page frame travels as its own ZeroMQ frame, so the transport can send it without copying it
+into a header. Decoding never trusts the sender: wrong kinds, versions, field types or sizes raise `WireError`
+and the receiver drops the message and counts it.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import asdict
+from typing import Any
+
+from kvfence.ids import LeaseId, PageId, RequestId
+from kvfence.pd.messages import (
+    SCHEMA_VERSION,
+    Abort,
+    AbortAck,
+    FinalFrame,
+    FrameAck,
+    Message,
+    PageFrame,
+    Ticket,
+    TransferId,
+)
+
+_FRAME_HEADER = struct.Struct("<HQIIQ")  # version, transfer id, index, page id, lease id
+_KINDS: dict[bytes, type] = {b"T": Ticket, b"A": FrameAck, b"Z": FinalFrame, b"X": Abort, b"K": AbortAck}
+_KIND_OF = {cls: kind for kind, cls in _KINDS.items()}
+
+
+class WireError(ValueError):
+    pass
+
+
+def encode(message: Message) -> list[bytes]:
+    if isinstance(message, PageFrame):
+        header = _FRAME_HEADER.pack(
+            message.version, message.transfer_id, message.index, message.page_id, message.lease_id
+        )
+        return [b"F", header, message.payload]
+    fields = asdict(message)
+    if isinstance(message, FinalFrame):
+        fields["digest"] = message.digest.hex()
+    return [_KIND_OF[type(message)], json.dumps(fields, separators=(",", ":")).encode()]
+
+
+def decode(frames: list[bytes]) -> Message:
+    if not frames:
+        raise WireError("empty message")
+    kind = bytes(frames[0])
+    if kind == b"F":
+        if len(frames) != 3 or len(frames[1]) != _FRAME_HEADER.size:
+            raise WireError("malformed page frame")
+        version, tid, index, page, lease = _FRAME_HEADER.unpack(frames[1])
+        _check_version(version)
+        return PageFrame(TransferId(tid), index, PageId(page), LeaseId(lease), bytes(frames[2]))
+    cls = _KINDS.get(kind)
+    if cls is None or len(frames) != 2:
+        raise WireError(f"unknown message kind {kind!r}")
+    try:
+        fields = json.loads(frames[1])
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise WireError(f"bad JSON in {cls.__name__}") from exc
+    if not isinstance(fields, dict):
+        raise WireError(f"{cls.__name__} is not an object")
+    _check_version(fields.get("version"))
+    return _build(cls, fields)
+
+
+def _check_version(version: object) -> None:
+    if version != SCHEMA_VERSION:
+        raise WireError(f"schema version {version!r}, expected {SCHEMA_VERSION}")
+
+
+def _build(cls: type, f: dict[str, Any]) -> Message:
+    try:
+        if cls is Ticket:
+            return Ticket(
+                TransferId(_int(f["transfer_id"])),
+                RequestId(_str(f["request_id"])),
+                tuple(PageId(_int(p)) for p in f["page_ids"]),
+                tuple(LeaseId(_int(x)) for x in f["lease_ids"]),
+                _str(f["layout"]),
+            )
+        if cls is FrameAck:
+            return FrameAck(TransferId(_int(f["transfer_id"])), _int(f["index"]))
+        if cls is FinalFrame:
+            return FinalFrame(
+                TransferId(_int(f["transfer_id"])),
+                _int(f["num_pages"]),
+                bytes.fromhex(_str(f["digest"])),
+                _int(f["first_token"]),
+            )
+        if cls is Abort:
+            return Abort(TransferId(_int(f["transfer_id"])), _str(f["reason"]))
+        return AbortAck(TransferId(_int(f["transfer_id"])))
+    except (KeyError, TypeError, ValueError) as exc:
+        raise WireError(f"malformed {cls.__name__}: {exc}") from exc
+
+
+def _int(v: object) -> int:
+    if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+        raise WireError(f"expected a non-negative integer, got {v!r}")
+    return v
+
+
+def _str(v: object) -> str:
+    if not isinstance(v, str):
+        raise WireError(f"expected a string, got {v!r}")
+    return v
