@@ -1,0 +1,51 @@
+"""`kvfence prefill` / `kvfence decode`: run one PD worker process that registers with a router."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from kvfence.cli import add_engine_args, engine_config_from_args
+
+
+def add_worker_commands(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    for role in ("prefill", "decode"):
+        p = sub.add_parser(role, help=f"run a PD {role} worker that registers with a router")
+        p.add_argument(
+            "--router", required=True, help="the router's control address, e.g. tcp://10.0.0.1:7000"
+        )
+        if role == "prefill":
+            p.add_argument("--data", default="tcp://127.0.0.1:0", help="address to bind the KV data socket")
+            p.add_argument(
+                "--transfer-window", type=int, default=8, help="page frames in flight per transfer"
+            )
+        add_engine_args(p)
+        p.set_defaults(func=run_worker, role=role)
+
+
+def run_worker(args: argparse.Namespace) -> int:
+    from kvfence.engine.llm_engine import LLMEngine
+    from kvfence.pd.worker import DecodeWorker, PrefillWorker
+
+    engine = LLMEngine(engine_config_from_args(args))
+    worker: PrefillWorker | DecodeWorker
+    if args.role == "prefill":
+        worker = PrefillWorker(engine, args.router, args.data, window=args.transfer_window)
+    else:
+        worker = DecodeWorker(engine, args.router)
+    logging.getLogger("kvfence.pd").info("%s worker up, router %s", args.role, args.router)
+    worker.serve()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    parser = argparse.ArgumentParser(prog="kvfence")
+    add_worker_commands(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    return int(args.func(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,217 @@
+"""The PD router's core: worker registry (I6), admission over every stage (I5), placement, and fan-in of
+outputs. Boundary: no HTTP; the HTTP front calls `submit` and `abort` from any thread and gets outputs through
+a callback. One I/O thread owns the control socket; other threads hand it work through a queue and a wake-up.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import queue
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import zmq
+
+from kvfence.engine.admission import Limits, admit
+from kvfence.engine.output import RequestOutput
+from kvfence.engine.request import SamplingParams
+from kvfence.ids import RequestId
+from kvfence.pd import control
+
+log = logging.getLogger("kvfence.pd.router")
+OnOutput = Callable[[RequestOutput], None]
+
+
+class NoWorkers(RuntimeError):
+    pass
+
+
+@dataclass
+class WorkerInfo:
+    identity: bytes
+    role: str
+    fingerprint: dict[str, Any]
+    data_addr: str
+
+
+@dataclass
+class _Routed:
+    prompt_len: int
+    prefill: bytes
+    decode: bytes
+    on_output: OnOutput
+    done: bool = False
+
+
+@dataclass
+class Router:
+    bind: str = "tcp://127.0.0.1:0"
+    ctx: zmq.Context[Any] = field(default_factory=zmq.Context.instance)
+
+    def __post_init__(self) -> None:
+        self.socket = self.ctx.socket(zmq.ROUTER)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        if self.bind.endswith(":0"):
+            self.addr = (
+                self.bind.rsplit(":", 1)[0]
+                + f":{self.socket.bind_to_random_port(self.bind.rsplit(':', 1)[0])}"
+            )
+        else:
+            self.socket.bind(self.bind)
+            self.addr = self.bind
+        self._wake_addr = f"inproc://router-wake-{id(self)}"
+        self._wake_rx = self.ctx.socket(zmq.PULL)
+        self._wake_rx.bind(self._wake_addr)
+        self._wake_tx = self.ctx.socket(zmq.PUSH)
+        self._wake_tx.connect(self._wake_addr)
+        self._wake_lock = threading.Lock()
+        self._work: queue.Queue[Callable[[], None]] = queue.Queue()
+        self.workers: dict[bytes, WorkerInfo] = {}
+        self._routed: dict[RequestId, _Routed] = {}
+        self._registered = threading.Condition()
+        self._rr = itertools.count()
+        self._tids = itertools.count((int.from_bytes(os.urandom(3), "little") << 40) + 1)
+        self._running = True
+        self._thread = threading.Thread(target=self._loop, name="kvfence-router", daemon=True)
+        self._thread.start()
+
+    # ---- any thread -------------------------------------------------------------------------------------
+
+    def wait_for_workers(self, num_prefill: int, num_decode: int, timeout: float) -> bool:
+        def ready() -> bool:
+            roles = [w.role for w in self.workers.values()]
+            return roles.count("prefill") >= num_prefill and roles.count("decode") >= num_decode
+
+        with self._registered:
+            return self._registered.wait_for(ready, timeout)
+
+    def limits(self) -> tuple[Limits, Limits]:
+        """(prefill, decode) limits: the smallest context and pool any worker of each role has (I6)."""
+        fps = {
+            role: [w.fingerprint for w in self.workers.values() if w.role == role]
+            for role in ("prefill", "decode")
+        }
+        if not fps["prefill"] or not fps["decode"]:
+            raise NoWorkers("no prefill or no decode worker registered")
+        ctx = min(fp["context_length"] for fp in fps["prefill"] + fps["decode"])
+        page = fps["decode"][0]["page_size"]
+        return (
+            Limits(ctx, min(fp["pool_pages"] for fp in fps["prefill"]), page),
+            Limits(ctx, min(fp["pool_pages"] for fp in fps["decode"]), page),
+        )
+
+    def submit(
+        self, prompt_ids: list[int], params: SamplingParams, request_id: str, tenant: str, on_output: OnOutput
+    ) -> None:
+        """Admit against every stage (I5) before anything is sent; raises AdmissionError or NoWorkers."""
+        prefill_limits, decode_limits = self.limits()
+        admit(len(prompt_ids), params, prefill_limits, prefill_only=True)
+        admit(len(prompt_ids), params, decode_limits)
+        self._post(lambda: self._route(prompt_ids, params, RequestId(request_id), tenant, on_output))
+
+    def abort(self, request_id: str) -> None:
+        self._post(lambda: self._abort(RequestId(request_id)))
+
+    def shutdown(self) -> None:
+        def stop() -> None:
+            for identity in self.workers:
+                self.socket.send_multipart([identity, control.pack("shutdown")])
+            self._running = False
+
+        self._post(stop)
+        self._thread.join(timeout=10)
+        for sock in (self.socket, self._wake_rx, self._wake_tx):
+            sock.close(0)
+
+    def _post(self, fn: Callable[[], None]) -> None:
+        self._work.put(fn)
+        with self._wake_lock:
+            self._wake_tx.send(b"")
+
+    # ---- the I/O thread ---------------------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.socket, zmq.POLLIN)
+        poller.register(self._wake_rx, zmq.POLLIN)
+        while self._running:
+            for sock, _ in poller.poll():
+                if sock is self._wake_rx:
+                    self._wake_rx.recv()
+                    while not self._work.empty():
+                        self._work.get_nowait()()
+                else:
+                    identity, frame = self.socket.recv_multipart()
+                    self._on_message(identity, control.unpack(frame))
+
+    def _on_message(self, identity: bytes, msg: dict[str, Any]) -> None:
+        op = msg["op"]
+        if op == "register":
+            self._register(identity, msg)
+        elif op == "output":
+            out = control.output_from_json(msg)
+            routed = self._routed.get(out.request_id)
+            if routed is not None and not routed.done:
+                routed.done = out.finished
+                routed.on_output(out)
+                if out.finished:
+                    self._routed.pop(out.request_id, None)
+        elif op == "error":
+            self._on_error(identity, RequestId(msg["request_id"]), msg["code"])
+
+    def _register(self, identity: bytes, msg: dict[str, Any]) -> None:
+        fp = msg["fingerprint"]
+        for other in self.workers.values():
+            if (
+                other.fingerprint["layout"] != fp["layout"]
+                or other.fingerprint["vocab_size"] != fp["vocab_size"]
+            ):
+                reason = f"fingerprint {fp} does not match registered worker {other.fingerprint}"
+                log.error("refusing %s worker: %s", msg["role"], reason)
+                self.socket.send_multipart([identity, control.pack("refused", reason=reason)])
+                return
+        with self._registered:
+            self.workers[identity] = WorkerInfo(identity, msg["role"], fp, msg.get("data_addr", ""))
+            self._registered.notify_all()
+        log.info("registered %s worker %s", msg["role"], fp)
+        self.socket.send_multipart([identity, control.pack("registered")])
+
+    def _route(
+        self, ids: list[int], params: SamplingParams, rid: RequestId, tenant: str, cb: OnOutput
+    ) -> None:
+        prefills = [w for w in self.workers.values() if w.role == "prefill"]
+        decodes = [w for w in self.workers.values() if w.role == "decode"]
+        n = next(self._rr)
+        p, d = prefills[n % len(prefills)], decodes[n % len(decodes)]
+        self._routed[rid] = _Routed(len(ids), p.identity, d.identity, cb)
+        body = {
+            "request_id": rid,
+            "prompt_ids": ids,
+            "params": control.params_to_json(params),
+            "tenant": tenant,
+        }
+        tid = next(self._tids)
+        self.socket.send_multipart(
+            [d.identity, control.pack("expect", transfer_id=tid, prefill_addr=p.data_addr, **body)]
+        )
+        self.socket.send_multipart([p.identity, control.pack("prefill", **body)])
+
+    def _abort(self, rid: RequestId) -> None:
+        routed = self._routed.get(rid)
+        if routed is None:
+            return
+        for identity in (routed.decode, routed.prefill):
+            self.socket.send_multipart([identity, control.pack("abort", request_id=rid)])
+
+    def _on_error(self, identity: bytes, rid: RequestId, code: str) -> None:
+        """A worker refused or failed the request: end it for the client, and stop the other side."""
+        routed = self._routed.pop(rid, None)
+        if routed is None or routed.done:
+            return
+        other = routed.decode if identity == routed.prefill else routed.prefill
+        self.socket.send_multipart([other, control.pack("abort", request_id=rid)])
+        routed.on_output(RequestOutput(rid, (), "", True, "error", code, routed.prompt_len, 0, "", ()))

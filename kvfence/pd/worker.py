@@ -1,0 +1,337 @@
+"""Prefill and decode worker processes: an engine, the transfer state machines, and ZeroMQ sockets.
+
+Boundary: moves bytes between sockets and the sans-IO protocol cores (kvfence/pd/sender.py, receiver.py); all
+protocol decisions are made there. Each worker is one thread: it polls its sockets, applies what arrives, and
+steps its engine. That single thread is what makes the receiver's frame validation, KV write and revocation
+atomic with respect to each other (I4), and keeps the engine on one thread as it requires.
+
+Sockets:  control  DEALER -> router (ROUTER)               registration, requests, aborts, outputs, errors
+          data     prefill binds ROUTER; decode connects a DEALER per prefill: tickets and acks flow
+                   decode -> prefill, page frames and final frames prefill -> decode.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import zmq
+
+from kvfence.engine.errors import AdmissionError
+from kvfence.engine.llm_engine import LLMEngine
+from kvfence.engine.output import RequestOutput
+from kvfence.engine.request import Request
+from kvfence.ids import RequestId
+from kvfence.kv.pool import PoolExhausted
+from kvfence.pd import control, wire
+from kvfence.pd.local import layout_fingerprint
+from kvfence.pd.messages import Abort, AbortAck, FinalFrame, FrameAck, Message, PageFrame, Ticket, TransferId
+from kvfence.pd.receiver import Applied, Failed, Ready, TransferReceiver
+from kvfence.pd.sender import Action, ReleaseLocal, SendAbort, SendFinal, SendFrames, TransferSender
+
+log = logging.getLogger("kvfence.pd.worker")
+IDLE_POLL_MS = 50
+
+
+def fingerprint(engine: LLMEngine) -> dict[str, Any]:
+    """What the router compares across workers (I6): model identity, KV layout, limits."""
+    return {
+        "layout": layout_fingerprint(engine),
+        "vocab_size": engine.model_config.vocab_size,
+        "context_length": engine.context_length,
+        "pool_pages": engine.pool.num_pages,
+        "page_size": engine.pool.page_size,
+    }
+
+
+class Worker:
+    role = "worker"
+
+    def __init__(self, engine: LLMEngine, router_addr: str, ctx: zmq.Context[Any] | None = None) -> None:
+        self.engine = engine
+        self.ctx = ctx or zmq.Context.instance()
+        self.control = self.ctx.socket(zmq.DEALER)
+        self.control.setsockopt(zmq.LINGER, 0)
+        self.control.connect(router_addr)
+        self.poller = zmq.Poller()
+        self.poller.register(self.control, zmq.POLLIN)
+        self.data_addr = ""
+        self.running = True
+
+    def serve(self) -> None:
+        self.send_control(
+            "register", role=self.role, fingerprint=fingerprint(self.engine), data_addr=self.data_addr
+        )
+        while self.running:
+            busy = self.engine.has_unfinished()
+            for sock, _ in self.poller.poll(0 if busy else IDLE_POLL_MS):
+                self._drain(sock)
+            if self.engine.has_unfinished():
+                self.on_outputs(self.engine.step())
+                self.after_step()
+        self.close()
+
+    def _drain(self, sock: zmq.Socket[Any]) -> None:
+        while self.running:
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if sock is self.control:
+                self.on_control(control.unpack(frames[0]))
+            else:
+                self.on_data(sock, frames)
+
+    def on_control(self, msg: dict[str, Any]) -> None:
+        op = msg["op"]
+        if op == "refused":
+            log.error("router refused %s worker: %s", self.role, msg.get("reason"))
+            self.running = False
+        elif op == "shutdown":
+            self.running = False
+        elif op == "abort":
+            self.on_abort(RequestId(msg["request_id"]))
+        elif op != "registered":
+            self.on_request(msg)
+
+    def send_control(self, op: str, **body: Any) -> None:
+        self.control.send(control.pack(op, **body))
+
+    def send_error(self, request_id: str, code: str, message: str, status: int) -> None:
+        self.send_control("error", request_id=request_id, code=code, message=message, status=status)
+
+    def admit(self, msg: dict[str, Any], **kw: Any) -> Request | None:
+        """Run the engine's admission (I5) for a routed request; report a refusal to the router."""
+        try:
+            return self.admit_request(msg, control.params_from_json(msg["params"]), **kw)
+        except AdmissionError as exc:
+            self.send_error(msg["request_id"], exc.code, str(exc), 400)
+        except ValueError as exc:
+            self.send_error(msg["request_id"], "invalid_request_error", str(exc), 400)
+        return None
+
+    def close(self) -> None:
+        self.control.close(0)
+
+    # subclass hooks
+    def admit_request(self, msg: dict[str, Any], params: Any, **kw: Any) -> Request:
+        raise NotImplementedError
+
+    def on_request(self, msg: dict[str, Any]) -> None: ...
+    def on_abort(self, request_id: RequestId) -> None: ...
+    def on_data(self, sock: zmq.Socket[Any], frames: list[bytes]) -> None: ...
+    def on_outputs(self, outputs: list[RequestOutput]) -> None: ...
+    def after_step(self) -> None: ...
+
+
+@dataclass
+class _Outgoing:
+    peer: bytes  # the decode worker's identity on our data socket
+    ticket: Ticket
+    request: Request | None = None  # set once the prefill is done
+    sender: TransferSender | None = None
+
+
+class PrefillWorker(Worker):
+    role = "prefill"
+
+    def __init__(
+        self, engine: LLMEngine, router_addr: str, data_addr: str, window: int = 8, **kw: Any
+    ) -> None:
+        super().__init__(engine, router_addr, **kw)
+        self.window = window
+        self.data = self.ctx.socket(zmq.ROUTER)
+        self.data.setsockopt(zmq.LINGER, 0)
+        host, _, port = data_addr.rpartition(":")
+        if port == "0":  # any free port; tell the router which one
+            self.data_addr = f"{host}:{self.data.bind_to_random_port(host)}"
+        else:
+            self.data.bind(data_addr)
+            self.data_addr = data_addr
+        self.poller.register(self.data, zmq.POLLIN)
+        self.out: dict[RequestId, _Outgoing] = {}  # by request id, from ticket to release
+        self.done: dict[RequestId, Request] = {}  # prefilled, ticket not here yet
+
+    def on_request(self, msg: dict[str, Any]) -> None:
+        if msg["op"] == "prefill":
+            self.admit(msg)
+
+    def admit_request(self, msg: dict[str, Any], params: Any, **kw: Any) -> Request:
+        return self.engine.add_request(
+            msg["prompt_ids"], params, request_id=msg["request_id"], tenant=msg.get("tenant", "anonymous"),
+            prefill_only=True,
+        )  # fmt: skip
+
+    def on_data(self, sock: zmq.Socket[Any], frames: list[bytes]) -> None:
+        peer, body = frames[0], frames[1:]
+        try:
+            message = wire.decode(body)
+        except wire.WireError as exc:
+            log.warning("dropped malformed data message: %s", exc)
+            return
+        if isinstance(message, Ticket):
+            self.out[message.request_id] = _Outgoing(peer, message)
+            self._try_start(message.request_id)
+            return
+        for rid, o in self.out.items():
+            if o.ticket.transfer_id == message.transfer_id and o.sender is not None:
+                if isinstance(message, FrameAck):
+                    self._act(rid, o.sender.on_ack(message))
+                elif isinstance(message, Abort):
+                    self._act(rid, o.sender.on_abort(message))
+                return
+
+    def after_step(self) -> None:
+        for request in self.engine.take_handoffs():
+            self.done[request.request_id] = request
+            self._try_start(request.request_id)
+
+    def on_outputs(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            if (
+                out.finished and out.error_code is not None
+            ):  # failed during prefill: tell the client and decode
+                self.send_error(out.request_id, out.error_code, "prefill failed", 500)
+                o = self.out.pop(out.request_id, None)
+                if o is not None:
+                    self._send(o.peer, Abort(o.ticket.transfer_id, out.error_code))
+
+    def on_abort(self, request_id: RequestId) -> None:
+        o = self.out.get(request_id)
+        if o is not None and o.sender is not None:
+            self._act(request_id, o.sender.fail("aborted"))
+        elif request_id in self.done:
+            self.engine.finish_transfer(request_id)
+            del self.done[request_id]
+        else:
+            self.engine.abort(request_id)
+
+    def _try_start(self, rid: RequestId) -> None:
+        o = self.out.get(rid)
+        if o is None or rid not in self.done or o.sender is not None:
+            return
+        o.request = self.done.pop(rid)
+        first = o.request.token_ids[-1]
+        o.sender = TransferSender(
+            o.ticket, len(o.request.pages), layout_fingerprint(self.engine), self.window, first
+        )
+        self._act(rid, o.sender.start())
+
+    def _act(self, rid: RequestId, actions: list[Action]) -> None:
+        o = self.out[rid]
+        assert o.sender is not None and o.request is not None
+        for action in actions:
+            if isinstance(action, SendFrames):
+                for i in action.indices:
+                    payload = self.engine.runner.cache.read_page(o.request.pages[i])
+                    self._send(o.peer, o.sender.frame(i, payload))
+            elif isinstance(action, SendFinal | SendAbort):
+                self._send(o.peer, action.final if isinstance(action, SendFinal) else action.abort)
+            elif isinstance(action, ReleaseLocal):
+                self.engine.finish_transfer(rid)  # copying sends: every frame is out of our pages already
+                del self.out[rid]
+
+    def _send(self, peer: bytes, message: Message) -> None:
+        self.data.send_multipart([peer, *wire.encode(message)], copy=True)
+
+    def close(self) -> None:
+        self.data.close(0)
+        super().close()
+
+
+class DecodeWorker(Worker):
+    role = "decode"
+
+    def __init__(self, engine: LLMEngine, router_addr: str, **kw: Any) -> None:
+        super().__init__(engine, router_addr, **kw)
+        self.receiver = TransferReceiver(
+            engine.pool, layout_fingerprint(engine), engine.runner.cache.page_bytes()
+        )
+        self.peers: dict[str, zmq.Socket[Any]] = {}  # prefill data address -> our DEALER to it
+        self.incoming: dict[TransferId, tuple[RequestId, zmq.Socket[Any]]] = {}
+
+    def on_request(self, msg: dict[str, Any]) -> None:
+        if msg["op"] != "expect" or self.admit(msg) is None:
+            return
+        rid, tid = RequestId(msg["request_id"]), TransferId(msg["transfer_id"])
+        sock = self._peer(msg["prefill_addr"])
+        try:
+            ticket = self.receiver.reserve(tid, rid, self.engine.pool.pages_for(len(msg["prompt_ids"])))
+        except (PoolExhausted, ValueError) as exc:
+            self._fail(rid, "decode_unavailable", str(exc))
+            return
+        self.incoming[tid] = (rid, sock)
+        sock.send_multipart(wire.encode(ticket))
+
+    def admit_request(self, msg: dict[str, Any], params: Any, **kw: Any) -> Request:
+        return self.engine.expect_transfer(
+            msg["prompt_ids"], params, msg["request_id"], msg.get("tenant", "anonymous")
+        )
+
+    def on_data(self, sock: zmq.Socket[Any], frames: list[bytes]) -> None:
+        try:
+            message = wire.decode(frames)
+        except wire.WireError as exc:
+            log.warning("dropped malformed data message: %s", exc)
+            return
+        if isinstance(message, PageFrame):
+            verdict = self.receiver.on_frame(message)
+            if isinstance(verdict, Applied):  # validate + write happen back to back on this one thread (I4)
+                self.engine.runner.cache.write_page(verdict.lease.page, message.payload)
+            if verdict.ack is not None:
+                sock.send_multipart(wire.encode(verdict.ack))
+        elif isinstance(message, FinalFrame):
+            self._finish(message.transfer_id, self.receiver.on_final(message))
+        elif isinstance(message, Abort | AbortAck):
+            self._finish(message.transfer_id, self.receiver.revoke(message.transfer_id, "prefill_failed"))
+
+    def _finish(self, tid: TransferId, result: object) -> None:
+        entry = self.incoming.pop(tid, None)
+        if entry is None:
+            return
+        rid = entry[0]
+        if isinstance(result, Ready):
+            self.engine.complete_transfer(rid, result.leases, result.first_token)
+        elif isinstance(result, Failed):
+            code = (
+                "kv_integrity_error" if result.reason.split(":")[0] != "prefill_failed" else "prefill_failed"
+            )
+            self._fail(rid, code, result.reason)
+
+    def _fail(self, rid: RequestId, code: str, reason: str) -> None:
+        out = self.engine.fail_transfer(rid, code)
+        if out is not None:
+            self.on_outputs([out])
+        log.warning("request %s failed: %s (%s)", rid, code, reason)
+
+    def on_abort(self, request_id: RequestId) -> None:
+        for tid, (rid, sock) in list(self.incoming.items()):
+            if rid == request_id:  # revoke first: from here on, late frames for it are dropped on arrival
+                self.receiver.revoke(tid, "aborted")
+                sock.send_multipart(wire.encode(Abort(tid, "aborted")))
+                del self.incoming[tid]
+                out = self.engine.fail_transfer(rid, "aborted")
+                if out is not None:
+                    self.on_outputs([out])
+                return
+        self.engine.abort(request_id)
+
+    def on_outputs(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            self.send_control("output", **control.output_to_json(out))
+
+    def _peer(self, addr: str) -> zmq.Socket[Any]:
+        sock = self.peers.get(addr)
+        if sock is None:
+            sock = self.ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(addr)
+            self.poller.register(sock, zmq.POLLIN)
+            self.peers[addr] = sock
+        return sock
+
+    def close(self) -> None:
+        for sock in self.peers.values():
+            sock.close(0)
+        super().close()
