@@ -22,6 +22,10 @@ class Faults:
     skip_stamp: int = 0
     # A KV write for one page is silently dropped while the step reports success ("prefill wrote 1 of 8 pages").
     drop_write: int = 0
+    # PD prefill believes the prompt is one page (the 2026 incident's 1-token placeholder) and says so.
+    placeholder_prefill: int = 0
+    # PD: one byte of one page frame's payload is flipped in flight.
+    corrupt_frame: int = 0
 
     def fire(self, name: str) -> bool:
         """Consume one shot of knob `name`; True if the fault should happen now."""

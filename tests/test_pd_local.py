@@ -5,7 +5,8 @@ from __future__ import annotations
 import random
 
 from kvfence.engine.request import SamplingParams
-from kvfence.pd.local import LocalPDPair, PDFaults
+from kvfence.faults import Faults
+from kvfence.pd.local import LocalPDPair
 from tests.conftest import make_engine, run_all
 
 
@@ -49,12 +50,14 @@ def test_placeholder_prefill_fails_the_victim_and_nobody_else(tiny_model):
     for i, p in enumerate(ps):
         reference.add_request(p, params, f"r{i}")
     expected = run_pair(reference)
-    pair = LocalPDPair(
-        make_engine(tiny_model), make_engine(tiny_model), faults=PDFaults(placeholder_prefill=1)
-    )
+    pair = LocalPDPair(make_engine(tiny_model, faults=Faults(placeholder_prefill=1)), make_engine(tiny_model))
     for i, p in enumerate(ps):
         pair.add_request(p, params, f"r{i}")
     got = run_pair(pair)
     failed = [k for k, v in got.items() if v.error_code]
-    assert len(failed) == 1 and got[failed[0]].text == "" and got[failed[0]].token_ids == ()
+    assert (
+        [got[k].error_code for k in failed] == ["kv_integrity_error"]
+        and got[failed[0]].text == ""
+        and got[failed[0]].token_ids == ()
+    )
     assert all(got[k].token_ids == expected[k].token_ids for k in got if k not in failed)

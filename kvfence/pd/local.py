@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from kvfence.engine.llm_engine import LLMEngine
 from kvfence.engine.output import RequestOutput
@@ -21,6 +21,13 @@ from kvfence.pd.messages import Abort, AbortAck, FinalFrame, FrameAck, PageFrame
 from kvfence.pd.receiver import Applied, Failed, Ready, TransferReceiver
 from kvfence.pd.sender import ReleaseLocal, SendAbort, SendFinal, SendFrames, TransferSender
 
+INTEGRITY_REASONS = {"page_count_mismatch", "layout_mismatch", "incomplete", "digest_mismatch"}
+
+
+def failure_code(reason: str) -> str:
+    """What the client sees for a failed transfer: integrity problems are `kv_integrity_error` (I8)."""
+    return "kv_integrity_error" if reason.split(":")[0] in INTEGRITY_REASONS else "prefill_failed"
+
 
 def layout_fingerprint(engine: LLMEngine) -> str:
     c = engine.model_config
@@ -28,12 +35,6 @@ def layout_fingerprint(engine: LLMEngine) -> str:
         f"{c.name}/{c.architecture}/L{c.num_layers}/kv{c.num_kv_heads}x{c.head_dim}/"
         f"{engine.config.dtype}/ps{engine.config.page_size}"
     )
-
-
-@dataclass
-class PDFaults:
-    # The 2026 incident: the prefill side was handed a 1-token placeholder and believes the prompt is one page.
-    placeholder_prefill: int = 0
 
 
 @dataclass
@@ -47,7 +48,6 @@ class LocalPDPair:
     prefill: LLMEngine
     decode: LLMEngine
     window: int = 8
-    faults: PDFaults = field(default_factory=PDFaults)
 
     def __post_init__(self) -> None:
         layout = layout_fingerprint(self.decode)
@@ -77,10 +77,7 @@ class LocalPDPair:
     def _start_transfer(self, request: Request) -> None:
         tid = TransferId(next(self._ids))
         ticket = self.receiver.reserve(tid, request.request_id, len(request.pages))
-        num_local = len(request.pages)
-        if self.faults.placeholder_prefill > 0:
-            self.faults.placeholder_prefill -= 1
-            num_local = 1
+        num_local = 1 if self.prefill.faults.fire("placeholder_prefill") else len(request.pages)
         layout = layout_fingerprint(self.prefill)
         sender = TransferSender(ticket, num_local, layout, self.window, first_token=request.token_ids[-1])
         self._transfers[tid] = _Transfer(request, sender)
@@ -97,7 +94,8 @@ class LocalPDPair:
             elif isinstance(action, SendFinal):
                 self._deliver_final(tid, action.final)
             elif isinstance(action, SendAbort) and not isinstance(action.abort, AbortAck):
-                self._fail(tid, self.receiver.revoke(tid, action.abort.reason), "transfer_failed")
+                reason = action.abort.reason
+                self._fail(tid, self.receiver.revoke(tid, reason), failure_code(reason))
             elif isinstance(action, ReleaseLocal):
                 self.prefill.finish_transfer(transfer.request.request_id)
 
@@ -114,7 +112,7 @@ class LocalPDPair:
         if isinstance(result, Ready):
             self.decode.complete_transfer(result.request_id, result.leases, result.first_token)
         elif isinstance(result, Failed):
-            self._fail(tid, result, "kv_integrity_error")
+            self._fail(tid, result, failure_code(result.reason))
 
     def _fail(self, tid: TransferId, result: Failed | None, code: str) -> None:
         if result is not None:

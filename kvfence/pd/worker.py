@@ -25,7 +25,7 @@ from kvfence.engine.request import Request
 from kvfence.ids import RequestId
 from kvfence.kv.pool import PoolExhausted
 from kvfence.pd import control, wire
-from kvfence.pd.local import layout_fingerprint
+from kvfence.pd.local import failure_code, layout_fingerprint
 from kvfence.pd.messages import Abort, AbortAck, FinalFrame, FrameAck, Message, PageFrame, Ticket, TransferId
 from kvfence.pd.receiver import Applied, Failed, Ready, TransferReceiver
 from kvfence.pd.sender import Action, ReleaseLocal, SendAbort, SendFinal, SendFrames, TransferSender
@@ -43,6 +43,10 @@ def fingerprint(engine: LLMEngine) -> dict[str, Any]:
         "pool_pages": engine.pool.num_pages,
         "page_size": engine.pool.page_size,
     }
+
+
+def _flip(payload: bytes) -> bytes:
+    return bytes([payload[0] ^ 0x01]) + payload[1:]
 
 
 class Worker:
@@ -213,9 +217,8 @@ class PrefillWorker(Worker):
             return
         o.request = self.done.pop(rid)
         first = o.request.token_ids[-1]
-        o.sender = TransferSender(
-            o.ticket, len(o.request.pages), layout_fingerprint(self.engine), self.window, first
-        )
+        num_local = 1 if self.engine.faults.fire("placeholder_prefill") else len(o.request.pages)
+        o.sender = TransferSender(o.ticket, num_local, layout_fingerprint(self.engine), self.window, first)
         self._act(rid, o.sender.start())
 
     def _act(self, rid: RequestId, actions: list[Action]) -> None:
@@ -225,7 +228,10 @@ class PrefillWorker(Worker):
             if isinstance(action, SendFrames):
                 for i in action.indices:
                     payload = self.engine.runner.cache.read_page(o.request.pages[i])
-                    self._send(o.peer, o.sender.frame(i, payload))
+                    frame = o.sender.frame(i, payload)
+                    if self.engine.faults.fire("corrupt_frame"):  # flipped in flight, after the digest
+                        frame = PageFrame(frame.transfer_id, i, frame.page_id, frame.lease_id, _flip(payload))
+                    self._send(o.peer, frame)
             elif isinstance(action, SendFinal | SendAbort):
                 self._send(o.peer, action.final if isinstance(action, SendFinal) else action.abort)
             elif isinstance(action, ReleaseLocal):
@@ -283,7 +289,9 @@ class DecodeWorker(Worker):
                 sock.send_multipart(wire.encode(verdict.ack))
         elif isinstance(message, FinalFrame):
             self._finish(message.transfer_id, self.receiver.on_final(message))
-        elif isinstance(message, Abort | AbortAck):
+        elif isinstance(message, Abort):
+            self._finish(message.transfer_id, self.receiver.revoke(message.transfer_id, message.reason))
+        elif isinstance(message, AbortAck):
             self._finish(message.transfer_id, self.receiver.revoke(message.transfer_id, "prefill_failed"))
 
     def _finish(self, tid: TransferId, result: object) -> None:
@@ -294,10 +302,7 @@ class DecodeWorker(Worker):
         if isinstance(result, Ready):
             self.engine.complete_transfer(rid, result.leases, result.first_token)
         elif isinstance(result, Failed):
-            code = (
-                "kv_integrity_error" if result.reason.split(":")[0] != "prefill_failed" else "prefill_failed"
-            )
-            self._fail(rid, code, result.reason)
+            self._fail(rid, failure_code(result.reason), result.reason)
 
     def _fail(self, rid: RequestId, code: str, reason: str) -> None:
         out = self.engine.fail_transfer(rid, code)
