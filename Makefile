@@ -24,9 +24,7 @@ test: model
 	$(BIN)/pytest -q
 
 serve: model
-	@echo "The OpenAI-compatible server is not built yet (issue 3). Meanwhile:"
-	@echo "  $(BIN)/kvfence generate --chat --prompt 'What is a KV cache?'"
-	$(BIN)/kvfence generate --chat --prompt "What is a KV cache?"
+	$(BIN)/kvfence serve
 
 lint: $(STAMP)
 	$(BIN)/ruff format --check kvfence tests bench

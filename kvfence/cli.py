@@ -1,12 +1,16 @@
-"""`kvfence` command line: fetch-model, generate (serve comes with the HTTP server)."""
+"""`kvfence` command line: fetch-model, generate, preflight, serve, and the PD workers (prefill, decode)."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 import time
+from typing import TYPE_CHECKING
 
 from kvfence.faults import Faults
+
+if TYPE_CHECKING:
+    from kvfence.engine.config import EngineConfig
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -30,7 +34,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     )
 
 
-def engine_config_from_args(args: argparse.Namespace):  # -> EngineConfig
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     from kvfence.engine.config import EngineConfig
 
     return EngineConfig(
@@ -112,6 +116,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=None)
     add_engine_args(p)
     p.set_defaults(func=cmd_generate)
+
+    from kvfence.server.launch import add_server_args, cmd_preflight, cmd_serve
+
+    p = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API (colocated mode)")
+    add_engine_args(p)
+    add_server_args(p, serving=True)
+    p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser("preflight", help="print the KV pool vs context length check (I6) and exit")
+    add_engine_args(p)
+    add_server_args(p, serving=False)
+    p.set_defaults(func=cmd_preflight)
+
+    from kvfence.pd.cli import add_worker_commands
+
+    add_worker_commands(sub)
     return parser
 
 

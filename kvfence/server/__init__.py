@@ -1,0 +1,1 @@
+"""The OpenAI-compatible HTTP server (colocated mode): FastAPI app, async bridge to the engine, preflight."""

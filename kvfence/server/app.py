@@ -1,0 +1,133 @@
+"""The FastAPI app: routes, authentication, body limits. `build_app(async_engine, settings) -> FastAPI`.
+
+Boundary: HTTP in, HTTP out. Each route authenticates (the tenant comes from the API key, I7), reads the body
+under a size limit (413 on Content-Length and again while reading), validates it (400 naming the parameter)
+and hands it to `Serving`. The app's lifespan starts and stops the engine thread.
+
+Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health, GET /metrics.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from typing import Any, TypeVar
+
+from fastapi import FastAPI
+from pydantic import BaseModel
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from kvfence.server.async_engine import AsyncEngine
+from kvfence.server.auth import Authenticator
+from kvfence.server.errors import OpenAIError, install_handlers, invalid
+from kvfence.server.metrics import CONTENT_TYPE, ServerMetrics
+from kvfence.server.protocol import ChatCompletionRequest, CompletionRequest, capacity, parse_body
+from kvfence.server.serving import ServerSettings, Serving
+
+M = TypeVar("M", bound=BaseModel)
+
+
+def build_app(engine: AsyncEngine, settings: ServerSettings, metrics: ServerMetrics | None = None) -> FastAPI:
+    """The app for one engine. `metrics` must be the engine's observer if the caller set one."""
+    metrics = metrics or _observer_metrics(engine)
+    auth = Authenticator(settings.api_keys)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        engine.start()
+        try:
+            yield
+        finally:
+            engine.stop()
+
+    app = FastAPI(title="kvfence", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    install_handlers(app)
+    app.state.engine, app.state.metrics, app.state.settings = engine, metrics, settings
+    _generation_routes(app, Serving(engine, settings, metrics), auth, settings.max_body_bytes, metrics)
+    _info_routes(app, engine, settings, auth, metrics)
+    return app
+
+
+def _generation_routes(
+    app: FastAPI, serving: Serving, auth: Authenticator, max_body_bytes: int, metrics: ServerMetrics
+) -> None:
+    async def handle(
+        request: Request, model: type[M], endpoint: Callable[[M, Request, str], Awaitable[Response]]
+    ) -> Response:
+        tenant = "unauthenticated"
+        try:
+            tenant = auth.tenant(request.headers.get("authorization"))
+            body = parse_body(await read_body(request, max_body_bytes), model)
+        except OpenAIError as e:
+            metrics.on_rejected("-", tenant, e.code or e.type, e.status)
+            raise
+        return await endpoint(body, request, tenant)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await handle(request, CompletionRequest, serving.completions)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await handle(request, ChatCompletionRequest, serving.chat)
+
+
+def _info_routes(
+    app: FastAPI, engine: AsyncEngine, settings: ServerSettings, auth: Authenticator, metrics: ServerMetrics
+) -> None:
+    created = int(time.time())
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> dict[str, Any]:
+        auth.tenant(request.headers.get("authorization"))
+        card = {
+            "id": settings.served_model_name,
+            "object": "model",
+            "created": created,
+            "owned_by": "kvfence",
+            "max_model_len": capacity(engine.engine.limits),
+        }
+        return {"object": "list", "data": [card]}
+
+    @app.get("/health")
+    async def health() -> Response:
+        if engine.healthy:
+            return JSONResponse({"status": "ok"})
+        return JSONResponse({"status": "unavailable"}, status_code=503)
+
+    @app.get("/metrics")
+    async def metrics_endpoint() -> Response:
+        snapshot = await engine.run_between_steps(engine.snapshot) if engine.healthy else None
+        return Response(metrics.render(snapshot), media_type=CONTENT_TYPE)
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The body, refusing more than `limit` bytes: up front from Content-Length, and again while reading
+    (chunked bodies, or a Content-Length that lies)."""
+    declared = request.headers.get("content-length")
+    if declared is not None:
+        if not declared.isdigit():
+            raise invalid(None, "invalid Content-Length header", code="invalid_request")
+        if int(declared) > limit:
+            raise too_large(limit)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise too_large(limit)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def too_large(limit: int) -> OpenAIError:
+    return OpenAIError(413, f"the request body exceeds the limit of {limit} bytes", code="request_too_large")
+
+
+def _observer_metrics(engine: AsyncEngine) -> ServerMetrics:
+    if isinstance(engine.observer, ServerMetrics):
+        return engine.observer
+    metrics = ServerMetrics()
+    engine.observer = metrics
+    return metrics

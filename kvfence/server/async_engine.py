@@ -1,0 +1,348 @@
+"""AsyncEngine: the bridge between asyncio HTTP handlers and the one thread that steps the engine.
+
+Boundary: owns an `LLMEngine` and ONE background thread, the engine loop; knows nothing about HTTP or JSON.
+
+Threads:
+  - The engine thread runs `LLMEngine.step` and everything it touches (pool, scheduler). When there is nothing
+    to do it blocks on a condition variable (no busy-wait, no polling); `submit`, `abort` and
+    `run_between_steps` wake it.
+  - Handlers (the event loop) call `submit`: admission (I5) runs synchronously there, for all of a request's
+    prompts and choices before any of them is queued, so a rejected request raises an `AdmissionError` to the
+    handler and never reaches the scheduler. Outputs go back to the loop with `call_soon_threadsafe`, one
+    batch per submission per step.
+  - `run_between_steps(fn)` runs `fn` on the engine thread between two steps, the only safe moment to read
+    the pool (`check_integrity`, stats) while the server is live.
+
+Lock order: `self._cond` before the engine's own lock, never the reverse (the engine never calls back in).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol, TypeVar
+
+from kvfence.engine.admission import admit
+from kvfence.engine.llm_engine import LLMEngine
+from kvfence.engine.output import RequestOutput
+from kvfence.engine.request import Request, SamplingParams
+from kvfence.kv.pool import PoolStats
+
+log = logging.getLogger("kvfence.server")
+T = TypeVar("T")
+Item = tuple[int, RequestOutput]
+
+
+class QueueFull(Exception):
+    """More requests are waiting than `max_queue` allows; the client should retry later."""
+
+
+class EngineUnavailable(Exception):
+    """The engine loop stopped (shutdown, or a crash in `step`); nothing more can be served."""
+
+
+@dataclass(frozen=True, slots=True)
+class EngineSnapshot:
+    num_running: int
+    num_waiting: int
+    pool: PoolStats
+    integrity_checks: int
+    integrity_failures: int
+    pages_checked: int
+    outcomes: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class RequestEnd:
+    """What an observer learns when one engine request ends (called on the engine thread)."""
+
+    request_id: str
+    tenant: str
+    output: RequestOutput
+    num_pages_checked: int
+    ttft_s: float | None
+    duration_s: float
+
+
+class Observer(Protocol):
+    def on_first_token(self, seconds: float) -> None: ...
+    def on_inter_token(self, seconds: float) -> None: ...
+    def on_request_end(self, end: RequestEnd) -> None: ...
+
+
+class Submission:
+    """The engine requests of one HTTP request (prompts x n choices). Ids are `<id>-<index>`; iterate
+    `stream()` for `(index, output)` pairs until every one of them has finished."""
+
+    def __init__(self, owner: AsyncEngine, loop: asyncio.AbstractEventLoop, request_ids: list[str]) -> None:
+        self._owner, self._loop = owner, loop
+        self.request_ids = tuple(request_ids)
+        self._queue: asyncio.Queue[list[Item] | BaseException] = asyncio.Queue()
+        self._unfinished = set(range(len(request_ids)))
+
+    @property
+    def finished(self) -> bool:
+        return not self._unfinished
+
+    async def stream(self) -> AsyncIterator[Item]:
+        while self._unfinished:
+            batch = await self._queue.get()
+            if isinstance(batch, BaseException):
+                raise batch
+            for index, out in batch:
+                if out.finished:
+                    self._unfinished.discard(index)
+                yield index, out
+
+    def abort(self) -> None:
+        """Abort every request of this submission that has not finished yet (pages go back to the pool)."""
+        for index in sorted(self._unfinished):
+            self._owner.abort(self.request_ids[index])
+
+    def _deliver(self, item: list[Item] | BaseException) -> None:
+        """Engine thread: hand a batch (or a fatal error) to the submitting event loop."""
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody is listening any more
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+
+
+@dataclass(slots=True)
+class _Tracked:
+    submission: Submission
+    index: int
+    request: Request
+    submitted: float
+    first: float | None = None
+    last: float | None = None
+
+
+class AsyncEngine:
+    def __init__(
+        self, engine: LLMEngine, *, max_queue: int | None = None, observer: Observer | None = None
+    ) -> None:
+        self.engine = engine
+        self.max_queue = max_queue
+        self.observer = observer
+        self._cond = threading.Condition()
+        self._calls: list[tuple[Callable[[], Any], concurrent.futures.Future[Any]]] = []
+        self._tracked: dict[str, _Tracked] = {}
+        self._num_new = 0  # requests submitted since the engine loop last took its inbox
+        self._num_waiting = 0  # the scheduler's waiting queue after the last step
+        self._busy = False
+        self._stopping = False
+        self._failure: BaseException | None = None
+        self._thread: threading.Thread | None = None
+
+    # ---- lifecycle ------------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        assert self._thread is None, "AsyncEngine.start called twice"
+        self._thread = threading.Thread(target=self._run, name="kvfence-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout)
+        self._fail_all(EngineUnavailable("the server is shutting down"))
+
+    @property
+    def healthy(self) -> bool:
+        return self._failure is None and not self._stopping and self._thread is not None
+
+    @property
+    def num_queued(self) -> int:
+        """Requests not yet running: submitted since the last step plus the scheduler's waiting queue."""
+        return self._num_new + self._num_waiting
+
+    # ---- entry points (event loop) --------------------------------------------------------------------
+
+    def submit(
+        self,
+        prompts: Sequence[Sequence[int]],
+        params: Sequence[SamplingParams],
+        request_id: str,
+        tenant: str,
+    ) -> Submission:
+        """Admit and queue one engine request per prompt; raises `AdmissionError` (nothing queued or
+        allocated), `QueueFull` or `EngineUnavailable`. Must be called from a running event loop."""
+        loop = asyncio.get_running_loop()
+        assert len(prompts) == len(params) and prompts
+        for prompt, p in zip(prompts, params, strict=True):
+            admit(len(prompt), p, self.engine.limits)  # I5, pure: all of them before any is queued
+        ids = [f"{request_id}-{i}" for i in range(len(prompts))]
+        submission = Submission(self, loop, ids)
+        with self._cond:  # held while adding, so the engine thread cannot deliver an output we do not track
+            self._check_capacity(len(prompts))
+            now = time.perf_counter()
+            for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
+                try:
+                    request = self.engine.add_request(prompt, p, request_id=ids[i], tenant=tenant)
+                except BaseException:
+                    self._untrack(ids[:i])
+                    raise
+                self._tracked[ids[i]] = _Tracked(submission, i, request, now)
+            self._num_new += len(prompts)
+            self._cond.notify_all()
+        return submission
+
+    def abort(self, request_id: str) -> None:
+        """Abort one engine request (takes effect between steps; unknown or finished ids are ignored)."""
+        self.engine.abort(request_id)
+        with self._cond:
+            self._cond.notify_all()
+
+    async def run_between_steps(self, fn: Callable[[], T]) -> T:
+        """Run `fn` on the engine thread between two steps and return its result."""
+        return await asyncio.wrap_future(self._post(fn))
+
+    def call_between_steps(self, fn: Callable[[], T], timeout: float | None = None) -> T:
+        """`run_between_steps` for callers outside the event loop (tests, benchmarks)."""
+        result: T = self._post(fn).result(timeout)
+        return result
+
+    def wait_idle(self, timeout: float) -> bool:
+        """Block until no request is live and the loop is between rounds; False on timeout."""
+        with self._cond:
+            return self._cond.wait_for(self._idle, timeout)
+
+    def snapshot(self) -> EngineSnapshot:
+        """Engine state for metrics. Call it on the engine thread (`run_between_steps(engine.snapshot)`)."""
+        e = self.engine
+        return EngineSnapshot(
+            num_running=len(e.scheduler.running),
+            num_waiting=len(e.scheduler.waiting),
+            pool=e.pool.stats(),
+            integrity_checks=e.stats.integrity_checks,
+            integrity_failures=e.stats.integrity_failures,
+            pages_checked=e.stats.pages_checked,
+            outcomes=dict(e.stats.outcomes),
+        )
+
+    # ---- helpers (any thread, under self._cond) -------------------------------------------------------
+
+    def _check_capacity(self, num_new: int) -> None:
+        if self._failure is not None or self._stopping or self._thread is None:
+            raise EngineUnavailable("the engine is not running")
+        if self.max_queue is not None and self.num_queued + num_new > self.max_queue:
+            raise QueueFull(
+                f"the server is overloaded: {self.num_queued} requests are waiting (limit {self.max_queue})"
+            )
+
+    def _untrack(self, request_ids: Sequence[str]) -> None:
+        for rid in request_ids:
+            self._tracked.pop(rid, None)
+            self.engine.abort(rid)
+
+    def _idle(self) -> bool:
+        if self._failure is not None:
+            return True
+        return not self._busy and not self._calls and not self.engine.has_unfinished()
+
+    def _post(self, fn: Callable[[], Any]) -> concurrent.futures.Future[Any]:
+        fut: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        with self._cond:
+            if self._failure is not None or self._stopping:
+                fut.set_exception(EngineUnavailable("the engine is not running"))
+            else:
+                self._calls.append((fn, fut))
+                self._cond.notify_all()
+        return fut
+
+    # ---- the engine thread ----------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while self._round():
+                pass
+        except BaseException as exc:  # a bug in step(): fail every live request loudly, serve nothing more
+            log.exception("engine loop crashed; failing all requests")
+            self._fail_all(EngineUnavailable(f"the engine loop crashed: {exc!r}"), exc)
+
+    def _round(self) -> bool:
+        with self._cond:
+            self._cond.wait_for(self._has_work)
+            if self._stopping:
+                return False
+            calls, self._calls = self._calls, []
+            self._num_new, self._busy = 0, True
+        for fn, fut in calls:
+            if fut.set_running_or_notify_cancel():
+                try:
+                    fut.set_result(fn())
+                except BaseException as exc:
+                    fut.set_exception(exc)
+        if self.engine.has_unfinished():
+            outputs = self.engine.step()
+            self._num_waiting = len(self.engine.scheduler.waiting)
+            self._dispatch(outputs, time.perf_counter())
+        with self._cond:
+            self._busy = False
+            self._cond.notify_all()  # wake `wait_idle` callers
+        return True
+
+    def _has_work(self) -> bool:
+        return self._stopping or bool(self._calls) or self.engine.has_unfinished()
+
+    def _dispatch(self, outputs: list[RequestOutput], now: float) -> None:
+        batches: dict[Submission, list[Item]] = {}
+        ended: list[tuple[_Tracked, RequestOutput]] = []
+        timings: list[tuple[bool, float]] = []
+        with self._cond:
+            for out in outputs:
+                t = self._tracked.get(out.request_id)
+                if t is None:
+                    continue  # its submission was withdrawn
+                if out.new_token_ids:
+                    timings.append((t.first is None, now - (t.last or t.submitted)))
+                    t.first, t.last = t.first or now, now
+                if out.finished:
+                    del self._tracked[out.request_id]
+                    ended.append((t, out))
+                batches.setdefault(t.submission, []).append((t.index, out))
+        for submission, batch in batches.items():
+            submission._deliver(batch)
+        self._observe(timings, ended, now)
+
+    def _observe(
+        self, timings: list[tuple[bool, float]], ended: list[tuple[_Tracked, RequestOutput]], now: float
+    ) -> None:
+        if self.observer is None:
+            return
+        try:
+            for first, seconds in timings:
+                (self.observer.on_first_token if first else self.observer.on_inter_token)(seconds)
+            for t, out in ended:
+                ttft = None if t.first is None else t.first - t.submitted
+                self.observer.on_request_end(
+                    RequestEnd(
+                        out.request_id,
+                        t.request.tenant,
+                        out,
+                        t.request.num_pages_checked,
+                        ttft,
+                        now - t.submitted,
+                    )
+                )
+        except Exception:  # metrics must never take the engine down
+            log.exception("request observer failed")
+
+    def _fail_all(self, error: BaseException, cause: BaseException | None = None) -> None:
+        with self._cond:
+            if cause is not None or self._failure is None:
+                self._failure = cause or error
+            tracked, self._tracked = self._tracked, {}
+            calls, self._calls = self._calls, []
+            self._cond.notify_all()
+        for submission in {t.submission for t in tracked.values()}:
+            submission._deliver(error)
+        for _, fut in calls:
+            if fut.set_running_or_notify_cancel():
+                fut.set_exception(error)

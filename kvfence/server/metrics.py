@@ -1,0 +1,148 @@
+"""Prometheus metrics and the one structured log line per request.
+
+Boundary: observes; never changes what is served. `ServerMetrics` is the `AsyncEngine` observer (called on
+the engine thread; prometheus-client is thread-safe) and counts rejections reported by the HTTP layer. Engine
+gauges (running, waiting, KV pages, integrity counters) come from an `EngineSnapshot` taken between steps at
+scrape time, so they are consistent with each other.
+
+Log line (logger `kvfence.requests`, JSON): request id, tenant, outcome, reason, token counts, pages checked
+by I1 over the request's life and the integrity result (`ok`, `failed`, or `unchecked` when it never ran).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from kvfence.server.async_engine import EngineSnapshot, RequestEnd
+
+request_log = logging.getLogger("kvfence.requests")
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+def outcome_of(end: RequestEnd) -> tuple[str, str]:
+    out = end.output
+    if out.finish_reason == "abort":
+        return "aborted", "abort"
+    if out.error_code is not None:
+        return "failed", out.error_code
+    return "finished", out.finish_reason or "unknown"
+
+
+class ServerMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        self.requests = Counter(
+            "kvfence_requests",
+            "Engine requests that ended, by outcome (finished, rejected, failed, aborted) and reason",
+            ["outcome", "reason", "tenant"],
+            registry=self.registry,
+        )
+        self.rejections = Counter(
+            "kvfence_admission_rejections",
+            "Requests rejected before anything was allocated, by reason",
+            ["reason"],
+            registry=self.registry,
+        )
+        self.ttft = Histogram(
+            "kvfence_time_to_first_token_seconds",
+            "Submission to first token",
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.itl = Histogram(
+            "kvfence_inter_token_latency_seconds",
+            "Time between two outputs of one request",
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self._engine = _EngineCollector()
+        self.registry.register(self._engine)
+
+    # ---- the AsyncEngine observer (engine thread) -------------------------------------------------------
+
+    def on_first_token(self, seconds: float) -> None:
+        self.ttft.observe(seconds)
+
+    def on_inter_token(self, seconds: float) -> None:
+        self.itl.observe(seconds)
+
+    def on_request_end(self, end: RequestEnd) -> None:
+        outcome, reason = outcome_of(end)
+        self.requests.labels(outcome, reason, end.tenant).inc()
+        out = end.output
+        integrity = (
+            "failed"
+            if out.error_code == "kv_integrity_error"
+            else ("ok" if end.num_pages_checked else "unchecked")
+        )
+        _log(
+            request_id=end.request_id,
+            tenant=end.tenant,
+            outcome=outcome,
+            reason=reason,
+            prompt_tokens=out.num_prompt_tokens,
+            completion_tokens=out.num_output_tokens,
+            pages_checked=end.num_pages_checked,
+            integrity=integrity,
+            ttft_s=None if end.ttft_s is None else round(end.ttft_s, 6),
+            duration_s=round(end.duration_s, 6),
+        )
+
+    # ---- the HTTP layer ---------------------------------------------------------------------------------
+
+    def on_rejected(self, request_id: str, tenant: str, reason: str, status: int) -> None:
+        """A request refused before reaching the engine (admission, queue full, bad parameters)."""
+        self.requests.labels("rejected", reason, tenant).inc()
+        if status == 400:
+            self.rejections.labels(reason).inc()
+        _log(request_id=request_id, tenant=tenant, outcome="rejected", reason=reason, status=status)
+
+    def render(self, snapshot: EngineSnapshot | None) -> bytes:
+        self._engine.snapshot = snapshot
+        return generate_latest(self.registry)
+
+
+def _log(**fields: object) -> None:
+    request_log.info(json.dumps(fields, sort_keys=False))
+
+
+class _EngineCollector(Collector):
+    """Engine gauges and counters from the snapshot taken for this scrape."""
+
+    def __init__(self) -> None:
+        self.snapshot: EngineSnapshot | None = None
+
+    def collect(self) -> Iterator[Metric]:
+        s = self.snapshot
+        if s is None:
+            return
+        yield _gauge("kvfence_requests_running", "Requests in the running batch", s.num_running)
+        yield _gauge("kvfence_requests_waiting", "Requests waiting to be scheduled", s.num_waiting)
+        pages = GaugeMetricFamily("kvfence_kv_pages", "KV pool pages by state", labels=["state"])
+        pages.add_metric(["free"], s.pool.num_free)
+        pages.add_metric(["leased"], s.pool.num_leased)
+        pages.add_metric(["quarantined"], s.pool.num_quarantined)
+        yield pages
+        yield _gauge("kvfence_kv_pages_total", "KV pool size in pages", s.pool.num_pages)
+        yield _counter("kvfence_integrity_checks", "Per-request I1 checks performed", s.integrity_checks)
+        yield _counter("kvfence_integrity_pages_checked", "Pages verified by I1 checks", s.pages_checked)
+        yield _counter("kvfence_integrity_failures", "Requests failed by an I1 check", s.integrity_failures)
+
+    def describe(self) -> Iterator[Metric]:
+        return iter(())
+
+
+def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+    return GaugeMetricFamily(name, doc, value=value)
+
+
+def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+    return CounterMetricFamily(name, doc, value=value)

@@ -1,0 +1,220 @@
+"""OpenAI request bodies as pydantic v2 models, and their translation to engine `SamplingParams`.
+
+Boundary: validation only. Anything malformed becomes a 400 `OpenAIError` naming the offending parameter; no
+field here can name a tenant (I7: `user` is recorded, never trusted). Limits that protect the server (number
+of stop strings, n, prompts per request) are enforced here, before tokenization.
+
+Default `max_tokens` when the client sends none (documented in docs/server.md):
+  - chat: everything left, `capacity - prompt tokens`, as vLLM does;
+  - completions: 16, as OpenAI's legacy endpoint does, lowered if less room is left;
+where capacity is the smaller of the context length and the KV pool's tokens.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from kvfence.engine.admission import Limits
+from kvfence.engine.errors import InvalidSamplingParams
+from kvfence.engine.request import SamplingParams
+from kvfence.server.errors import OpenAIError, invalid
+
+MAX_N = 16
+MAX_PROMPTS = 64  # prompts in one completions request
+MAX_CHOICES = 128  # prompts x n: engine requests one HTTP request may create
+MAX_STOP = 16  # OpenAI allows 4; more makes every decode step scan more text
+MAX_STOP_LEN = 256
+MAX_LOGPROBS = 20
+DEFAULT_COMPLETION_TOKENS = 16
+_INT64 = 1 << 63
+
+_FRIENDLY = {
+    "prompt": "prompt must be a string, a list of strings, a list of token ids or a list of lists of token ids",
+    "stop": f"stop must be a string or a list of at most {MAX_STOP} non-empty strings",
+    "messages": "messages must be a non-empty list of {role, content} objects",
+}
+
+M = TypeVar("M", bound=BaseModel)
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="ignore")
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "user", "assistant"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(part.text for part in self.content)
+        return self.content or ""
+
+
+TokenIds = list[Annotated[int, Field(ge=0, lt=_INT64)]]
+
+
+class _Common(_Strict):
+    model: str
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=-1, lt=_INT64)  # -1 / 0: off (vLLM's spelling)
+    seed: int | None = Field(None, ge=-_INT64, lt=_INT64)
+    stop: str | list[str] | None = None
+    n: int = Field(1, ge=1, le=MAX_N)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = Field(None, max_length=256)
+    ignore_eos: bool = False  # vLLM extension, handy for benchmarks
+    frequency_penalty: float = Field(0.0, ge=0.0, le=0.0)  # not implemented: only the neutral value
+    presence_penalty: float = Field(0.0, ge=0.0, le=0.0)
+
+    @field_validator("stop")
+    @classmethod
+    def _check_stop(cls, v: str | list[str] | None) -> str | list[str] | None:
+        stops = [v] if isinstance(v, str) else v or []
+        if len(stops) > MAX_STOP or any(not s or len(s) > MAX_STOP_LEN for s in stops):
+            raise ValueError(
+                f"at most {MAX_STOP} stop strings, each 1 to {MAX_STOP_LEN} characters, got {len(stops)}"
+            )
+        return v
+
+    @property
+    def stop_tuple(self) -> tuple[str, ...]:
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(_Common):
+    prompt: str | list[str] | TokenIds | list[TokenIds]
+    max_tokens: int | None = Field(None, ge=1, lt=_INT64)
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    echo: bool = False  # not supported: only false
+
+    @field_validator("echo")
+    @classmethod
+    def _check_echo(cls, v: bool) -> bool:
+        if v:
+            raise ValueError("echo is not supported")
+        return v
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts as a list: strings or token-id lists (at least one; each checked later for length)."""
+        p = self.prompt
+        items: list[str | list[int]]
+        if isinstance(p, str):
+            items = [p]
+        elif p and all(isinstance(x, int) for x in p):
+            items = [list(p)]  # type: ignore[arg-type]
+        else:
+            items = list(p)  # type: ignore[arg-type]
+        if not items or len(items) > MAX_PROMPTS:
+            raise invalid("prompt", f"prompt must hold 1 to {MAX_PROMPTS} prompts, got {len(items)}")
+        if len(items) * self.n > MAX_CHOICES:
+            raise invalid("n", f"prompts x n must be at most {MAX_CHOICES}, got {len(items) * self.n}")
+        return items
+
+
+class ChatCompletionRequest(_Common):
+    messages: list[ChatMessage] = Field(min_length=1, max_length=4096)
+    max_tokens: int | None = Field(None, ge=1, lt=_INT64)
+    max_completion_tokens: int | None = Field(None, ge=1, lt=_INT64)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+
+    def chat_messages(self) -> list[dict[str, str]]:
+        return [{"role": m.role, "content": m.text()} for m in self.messages]
+
+
+# ---- parsing ------------------------------------------------------------------------------------------
+
+
+def parse_body(raw: bytes, model: type[M]) -> M:
+    """JSON bytes -> a validated request; any problem becomes a 400 naming the parameter."""
+    try:
+        data = json.loads(raw)
+    except (ValueError, RecursionError) as e:  # UnicodeDecodeError is a ValueError too
+        raise invalid(None, f"the request body is not valid JSON: {e}", code="invalid_json") from e
+    if not isinstance(data, dict):
+        raise invalid(None, "the request body must be a JSON object", code="invalid_json")
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        raise _validation_error(e) from e
+    except RecursionError as e:
+        raise invalid(None, "the request body is nested too deeply", code="invalid_json") from e
+
+
+def _validation_error(exc: ValidationError) -> OpenAIError:
+    first = exc.errors(include_url=False)[0]
+    loc = [p for p in first["loc"] if isinstance(p, int) or _is_field(p)]
+    param = str(loc[0]) if loc else None
+    for part in loc[1:]:
+        param = f"{param}[{part}]" if isinstance(part, int) else f"{param}.{part}"
+    if first["type"] == "missing":
+        return invalid(param, f"missing required parameter: '{param}'", code="missing_required_parameter")
+    top = str(loc[0]) if loc else ""
+    message = _FRIENDLY.get(top) if top in _FRIENDLY and len(loc) <= 2 else None
+    return invalid(param, message or f"invalid value for '{param}': {first['msg']}")
+
+
+def _is_field(part: str | int) -> bool:
+    # pydantic puts union members ("str", "list[int]", "function-after[...]") into error locations
+    return isinstance(part, str) and part.isidentifier() and part not in {"str", "int", "float", "bool"}
+
+
+# ---- sampling parameters ------------------------------------------------------------------------------
+
+
+def capacity(limits: Limits) -> int:
+    """Tokens one request may span: the context length, or less if the KV pool is smaller."""
+    return min(limits.context_length, limits.pool_pages * limits.page_size)
+
+
+def sampling_params(
+    req: CompletionRequest | ChatCompletionRequest, num_prompt_tokens: int, limits: Limits, choice: int
+) -> SamplingParams:
+    """Engine parameters for one choice. With a seed, choice i samples with seed + i so that n choices
+    differ yet each is reproducible."""
+    room = max(1, capacity(limits) - num_prompt_tokens)
+    if isinstance(req, ChatCompletionRequest):
+        asked = req.max_completion_tokens or req.max_tokens
+        max_tokens = asked or room
+        logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    else:
+        max_tokens = req.max_tokens or min(DEFAULT_COMPLETION_TOKENS, room)
+        logprobs = req.logprobs
+    try:
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=req.temperature,
+            top_p=req.top_p,
+            top_k=req.top_k if req.top_k and req.top_k > 0 else None,
+            seed=None if req.seed is None else req.seed + choice,
+            stop=req.stop_tuple,
+            ignore_eos=req.ignore_eos,
+            logprobs=logprobs,
+        )
+    except InvalidSamplingParams as e:
+        raise invalid(e.param, str(e)) from e
+
+
+def check_chat_options(req: ChatCompletionRequest) -> None:
+    if req.top_logprobs is not None and not req.logprobs:
+        raise invalid("top_logprobs", "top_logprobs requires logprobs to be true")

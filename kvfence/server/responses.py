@@ -1,0 +1,179 @@
+"""OpenAI response bodies and stream chunks, built from engine outputs. Plain dicts; no I/O.
+
+Boundary: formatting only. The serving code decides *when* a chunk is sent; this module decides what it looks
+like, so that the official `openai` client parses every byte of it.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvfence.engine.output import LogprobEntry, RequestOutput
+
+TokenText = Callable[[int], str]  # token id -> its text, special tokens included
+
+
+@dataclass(slots=True)
+class Choice:
+    """One choice's result, accumulated from its outputs."""
+
+    text: str = ""
+    finish_reason: str | None = None
+    error_code: str | None = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[LogprobEntry] = field(default_factory=list)
+
+    def update(self, out: RequestOutput) -> None:
+        self.text = out.text
+        self.num_prompt_tokens, self.num_output_tokens = out.num_prompt_tokens, out.num_output_tokens
+        self.token_ids.extend(out.new_token_ids)
+        self.logprobs.extend(out.logprobs)
+        if out.finished:
+            self.finish_reason, self.error_code = out.finish_reason, out.error_code
+
+
+def usage(choices: list[Choice], n: int) -> dict[str, int]:
+    """Prompt tokens count each prompt once (not once per choice), as OpenAI does."""
+    prompt = sum(c.num_prompt_tokens for c in choices[::n])
+    completion = sum(c.num_output_tokens for c in choices)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def sse(obj: dict[str, Any]) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+DONE = "data: [DONE]\n\n"
+
+
+# ---- completions --------------------------------------------------------------------------------------
+
+
+def completion_body(
+    rid: str, created: int, model: str, choices: list[Choice], n: int, token_text: TokenText, want_lp: bool
+) -> dict[str, Any]:
+    return {
+        "id": rid,
+        "object": "text_completion",
+        "created": created,
+        "model": model,
+        "choices": [
+            {
+                "index": i,
+                "text": c.text,
+                "logprobs": completion_logprobs(c.token_ids, c.logprobs, token_text, 0) if want_lp else None,
+                "finish_reason": c.finish_reason,
+            }
+            for i, c in enumerate(choices)
+        ],
+        "usage": usage(choices, n),
+    }
+
+
+def completion_chunk(
+    rid: str, created: int, model: str, index: int, text: str, finish: str | None, logprobs: Any, usage: bool
+) -> dict[str, Any]:
+    chunk: dict[str, Any] = {
+        "id": rid,
+        "object": "text_completion",
+        "created": created,
+        "model": model,
+        "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}],
+    }
+    if usage:
+        chunk["usage"] = None
+    return chunk
+
+
+def completion_logprobs(
+    token_ids: list[int], entries: list[LogprobEntry], token_text: TokenText, offset: int
+) -> dict[str, Any]:
+    """Legacy completions format: parallel lists, top alternatives as {token: logprob}."""
+    tokens = [token_text(t) for t in token_ids[: len(entries)]]
+    offsets = []
+    for tok in tokens:
+        offsets.append(offset)
+        offset += len(tok)
+    return {
+        "tokens": tokens,
+        "token_logprobs": [lp for lp, _ in entries],
+        "top_logprobs": [{token_text(t): v for t, v in top} for _, top in entries],
+        "text_offset": offsets,
+    }
+
+
+# ---- chat ---------------------------------------------------------------------------------------------
+
+
+def chat_body(
+    rid: str, created: int, model: str, choices: list[Choice], n: int, token_text: TokenText, want_lp: bool
+) -> dict[str, Any]:
+    return {
+        "id": rid,
+        "object": "chat.completion",
+        "created": created,
+        "model": model,
+        "choices": [
+            {
+                "index": i,
+                "message": {"role": "assistant", "content": c.text},
+                "logprobs": chat_logprobs(c.token_ids, c.logprobs, token_text) if want_lp else None,
+                "finish_reason": c.finish_reason,
+            }
+            for i, c in enumerate(choices)
+        ],
+        "usage": usage(choices, n),
+    }
+
+
+def chat_chunk(
+    rid: str,
+    created: int,
+    model: str,
+    index: int,
+    delta: dict[str, Any],
+    finish: str | None,
+    logprobs: Any,
+    usage: bool,
+) -> dict[str, Any]:
+    chunk: dict[str, Any] = {
+        "id": rid,
+        "object": "chat.completion.chunk",
+        "created": created,
+        "model": model,
+        "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}],
+    }
+    if usage:
+        chunk["usage"] = None
+    return chunk
+
+
+def usage_chunk(
+    rid: str, created: int, model: str, obj: str, choices: list[Choice], n: int
+) -> dict[str, Any]:
+    return {
+        "id": rid,
+        "object": obj,
+        "created": created,
+        "model": model,
+        "choices": [],
+        "usage": usage(choices, n),
+    }
+
+
+def chat_logprobs(token_ids: list[int], entries: list[LogprobEntry], token_text: TokenText) -> dict[str, Any]:
+    def item(tid: int, lp: float) -> dict[str, Any]:
+        text = token_text(tid)
+        return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8"))}
+
+    return {
+        "content": [
+            {**item(tid, lp), "top_logprobs": [item(t, v) for t, v in top]}
+            for tid, (lp, top) in zip(token_ids, entries, strict=False)
+        ]
+    }

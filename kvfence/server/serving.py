@@ -1,0 +1,296 @@
+"""Serving one completions or chat request: prompt -> tokens -> admission -> engine -> JSON or SSE.
+
+Boundary: between the validated request (protocol.py) and the response bytes (responses.py). Everything that
+can refuse a request happens before `AsyncEngine.submit` returns, so a refused request never holds a page (I5).
+After that, the request either finishes, fails loudly (I8: HTTP 500 `kv_integrity_error`, or in a stream an
+error event and no `[DONE]`) or is aborted because its client went away.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from starlette.requests import Request as HTTPRequest
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from kvfence.engine.errors import AdmissionError
+from kvfence.engine.output import RequestOutput
+from kvfence.model.tokenizer import ChatTemplateError
+from kvfence.server import responses as R
+from kvfence.server.async_engine import AsyncEngine, EngineUnavailable, QueueFull, Submission
+from kvfence.server.errors import (
+    OpenAIError,
+    engine_failed,
+    from_admission,
+    invalid,
+    overloaded,
+    unavailable,
+)
+from kvfence.server.metrics import ServerMetrics
+from kvfence.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    check_chat_options,
+    sampling_params,
+)
+
+Body = CompletionRequest | ChatCompletionRequest
+log = logging.getLogger("kvfence.server")
+
+
+@dataclass(frozen=True, slots=True)
+class ServerSettings:
+    served_model_name: str
+    api_keys: dict[str, str] | None = None  # key -> tenant; None: one anonymous tenant
+    max_body_bytes: int = 4 << 20
+    retry_after_s: int = 1
+
+
+class EngineStream(StreamingResponse):
+    """A streaming response that aborts its engine requests however the stream ends (client gone included)."""
+
+    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None]) -> None:
+        super().__init__(
+            content,
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
+        self._on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()
+
+
+@dataclass(slots=True)
+class _Job:
+    body: Body
+    rid: str
+    created: int
+    num_choices: int
+    submission: Submission
+
+
+class Serving:
+    def __init__(self, engine: AsyncEngine, settings: ServerSettings, metrics: ServerMetrics) -> None:
+        self.engine, self.settings, self.metrics = engine, settings, metrics
+        self.tokenizer = engine.engine.tokenizer
+        self.vocab_size = engine.engine.model_config.vocab_size
+
+    def token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    # ---- endpoints ----------------------------------------------------------------------------------------
+
+    async def completions(self, body: CompletionRequest, http: HTTPRequest, tenant: str) -> Response:
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        with self._rejections(rid, tenant):
+            self.check_model(body.model)
+            prompts = await asyncio.to_thread(self._tokenize, body.prompts())
+            job = self._submit(body, prompts, rid, tenant)
+        if body.stream:
+            return EngineStream(error_terminated(self._stream_completion(job)), job.submission.abort)
+        choices = await self._collect(job, http)
+        return JSONResponse(
+            R.completion_body(
+                rid, job.created, body.model, choices, body.n, self.token_text, body.logprobs is not None
+            )
+        )
+
+    async def chat(self, body: ChatCompletionRequest, http: HTTPRequest, tenant: str) -> Response:
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        with self._rejections(rid, tenant):
+            self.check_model(body.model)
+            check_chat_options(body)
+            prompt = await asyncio.to_thread(self._render_chat, body.chat_messages())
+            job = self._submit(body, [prompt], rid, tenant)
+        if body.stream:
+            return EngineStream(error_terminated(self._stream_chat(job)), job.submission.abort)
+        choices = await self._collect(job, http)
+        return JSONResponse(
+            R.chat_body(rid, job.created, body.model, choices, body.n, self.token_text, body.logprobs)
+        )
+
+    def check_model(self, model: str) -> None:
+        if model != self.settings.served_model_name:
+            raise OpenAIError(
+                404, f"The model `{model}` does not exist.", param="model", code="model_not_found"
+            )
+
+    # ---- before the engine ----------------------------------------------------------------------------
+
+    def _rejections(self, rid: str, tenant: str) -> _RecordRejections:
+        return _RecordRejections(self.metrics, rid, tenant)
+
+    def _tokenize(self, prompts: list[str | list[int]]) -> list[list[int]]:
+        """Runs in a worker thread: a 4 MiB prompt must not stall the event loop."""
+        out = []
+        for p in prompts:
+            ids = self.tokenizer.encode(p, add_special_tokens=True) if isinstance(p, str) else p
+            if any(t >= self.vocab_size for t in ids):
+                raise invalid(
+                    "prompt", f"prompt contains token ids outside the vocabulary (size {self.vocab_size})"
+                )
+            out.append(ids)
+        return out
+
+    def _render_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        """Length is measured after the chat template: the engine sees exactly these tokens."""
+        try:
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        except ChatTemplateError as e:
+            raise invalid("messages", str(e)) from e
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def _submit(self, body: Body, prompts: list[list[int]], rid: str, tenant: str) -> _Job:
+        limits = self.engine.engine.limits
+        expanded = [ids for ids in prompts for _ in range(body.n)]
+        params = [sampling_params(body, len(ids), limits, j) for ids in prompts for j in range(body.n)]
+        try:
+            submission = self.engine.submit(expanded, params, rid, tenant)
+        except AdmissionError as e:
+            raise from_admission(e) from e
+        except QueueFull as e:
+            raise overloaded(self.settings.retry_after_s, str(e)) from e
+        except EngineUnavailable as e:
+            raise unavailable(str(e)) from e
+        return _Job(body, rid, int(time.time()), len(expanded), submission)
+
+    # ---- non-streaming --------------------------------------------------------------------------------
+
+    async def _collect(self, job: _Job, http: HTTPRequest) -> list[R.Choice]:
+        choices = [R.Choice() for _ in range(job.num_choices)]
+        watcher = asyncio.create_task(_abort_on_disconnect(http, job.submission))
+        try:
+            async for index, out in job.submission.stream():
+                choices[index].update(out)
+                if out.error_code is not None:
+                    break  # fail fast: the other choices are aborted below
+        except EngineUnavailable as e:
+            raise unavailable(str(e)) from e
+        finally:
+            watcher.cancel()
+            if not job.submission.finished:
+                job.submission.abort()
+        failed = [c.error_code for c in choices if c.error_code]
+        if failed:  # I8: one failed choice fails the whole response, and no text is returned
+            raise engine_failed(failed[0])
+        if any(c.finish_reason == "abort" for c in choices):
+            raise OpenAIError(503, "the request was aborted", type="server_error", code="aborted")
+        return choices
+
+    # ---- streaming ------------------------------------------------------------------------------------
+
+    async def _stream_completion(self, job: _Job) -> AsyncIterator[str]:
+        body = job.body
+        assert isinstance(body, CompletionRequest)
+        choices = [R.Choice() for _ in range(job.num_choices)]
+        offsets = [0] * job.num_choices
+        async for index, out in self._checked(job, choices):
+            lp = None
+            if body.logprobs is not None and out.logprobs:
+                lp = R.completion_logprobs(
+                    list(out.new_token_ids), list(out.logprobs), self.token_text, offsets[index]
+                )
+                offsets[index] += sum(len(t) for t in lp["tokens"])
+            if out.new_text or lp or out.finished:
+                finish = out.finish_reason if out.finished else None
+                chunk = R.completion_chunk(
+                    job.rid, job.created, body.model, index, out.new_text, finish, lp, body.include_usage
+                )
+                yield R.sse(chunk)
+        async for tail in self._stream_end(job, choices, "text_completion"):
+            yield tail
+
+    async def _stream_chat(self, job: _Job) -> AsyncIterator[str]:
+        body = job.body
+        assert isinstance(body, ChatCompletionRequest)
+        choices = [R.Choice() for _ in range(job.num_choices)]
+
+        def chunk(index: int, delta: dict[str, Any], finish: str | None, lp: Any = None) -> str:
+            return R.sse(
+                R.chat_chunk(job.rid, job.created, body.model, index, delta, finish, lp, body.include_usage)
+            )
+
+        for index in range(job.num_choices):
+            yield chunk(index, {"role": "assistant", "content": ""}, None)
+        async for index, out in self._checked(job, choices):
+            lp = None
+            if body.logprobs and out.logprobs:
+                lp = R.chat_logprobs(list(out.new_token_ids), list(out.logprobs), self.token_text)
+            if out.new_text or lp:
+                yield chunk(index, {"content": out.new_text}, None, lp)
+            if out.finished:
+                yield chunk(index, {}, out.finish_reason)
+        async for tail in self._stream_end(job, choices, "chat.completion.chunk"):
+            yield tail
+
+    async def _checked(self, job: _Job, choices: list[R.Choice]) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """Outputs of a streamed job; stops at the first failure after emitting its error event (I8)."""
+        try:
+            async for index, out in job.submission.stream():
+                choices[index].update(out)
+                if out.error_code is not None:
+                    raise engine_failed(out.error_code)
+                if out.finish_reason == "abort":
+                    raise OpenAIError(503, "the request was aborted", type="server_error", code="aborted")
+                yield index, out
+        except EngineUnavailable as e:
+            raise _StreamFailed(unavailable(str(e))) from e
+        except OpenAIError as e:
+            raise _StreamFailed(e) from e
+
+    async def _stream_end(self, job: _Job, choices: list[R.Choice], obj: str) -> AsyncIterator[str]:
+        if job.body.include_usage:
+            yield R.sse(R.usage_chunk(job.rid, job.created, job.body.model, obj, choices, job.body.n))
+        yield R.DONE
+
+
+class _StreamFailed(Exception):
+    def __init__(self, error: OpenAIError) -> None:
+        super().__init__(error.message)
+        self.error = error
+
+
+async def error_terminated(stream: AsyncIterator[str]) -> AsyncIterator[str]:
+    """Turn a failure inside a stream into one error event, then end the stream (never `[DONE]`)."""
+    try:
+        async for piece in stream:
+            yield piece
+    except _StreamFailed as e:
+        yield e.error.sse()
+    except Exception:  # a bug: still end with an error event, never with a stream that looks complete
+        log.exception("stream failed")
+        yield OpenAIError(500, "internal server error", type="server_error", code="internal_error").sse()
+
+
+class _RecordRejections:
+    """Context manager: an `OpenAIError` raised before submission counts as a rejection (metrics + log)."""
+
+    def __init__(self, metrics: ServerMetrics, rid: str, tenant: str) -> None:
+        self.metrics, self.rid, self.tenant = metrics, rid, tenant
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, _t: object, exc: BaseException | None, _tb: object) -> None:
+        if isinstance(exc, OpenAIError):
+            self.metrics.on_rejected(self.rid, self.tenant, exc.code or exc.type, exc.status)
+
+
+async def _abort_on_disconnect(http: HTTPRequest, submission: Submission) -> None:
+    """Wait for the client to go away (the body has been read, so the next ASGI message is the disconnect)."""
+    while True:
+        message = await http.receive()
+        if message["type"] == "http.disconnect":
+            submission.abort()
+            return

@@ -1,0 +1,143 @@
+"""I6 preflight: refuse, clamp or (explicitly) allow a pool smaller than one full-context request.
+
+Unit tests on the pure function, then the `kvfence preflight` / `kvfence serve` commands on the tiny model
+(the tiny model's context length is 256 tokens; 2 layers x 2 KV heads x head_dim 16 -> 512 bytes/token in f32).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from dataclasses import replace
+
+import httpx
+import pytest
+
+from kvfence.cli import main
+from kvfence.engine.config import EngineConfig
+from kvfence.server.preflight import Verdict, preflight, preflight_config
+
+
+@pytest.fixture(scope="module")
+def cfg(tiny_model):
+    return tiny_model.config
+
+
+def test_pool_that_holds_the_context_is_ok(cfg):
+    r = preflight(cfg, dtype="float32", num_pages=100, page_size=16)
+    assert (r.verdict, r.context_length, r.num_full_context_requests) == (Verdict.OK, 256, 6)
+    assert r.pool_tokens == 1600 and r.pool_bytes == 1600 * cfg.kv_bytes_per_token(4)
+    text = r.summary()
+    for piece in (
+        "100 pages x 16 tokens = 1600 tokens",
+        "context length  256",
+        "fit at once: 6",
+        "verdict         ok",
+    ):
+        assert piece in text
+
+
+def test_undersized_pool_is_refused_with_an_explanation(cfg):
+    r = preflight(cfg, dtype="float32", num_pages=10, page_size=16)
+    assert r.verdict is Verdict.REFUSED and not r.can_start and r.num_full_context_requests == 0
+    assert "160 tokens" in r.reason and "256 tokens" in r.reason and "--clamp-context-length" in r.reason
+
+
+def test_clamp_lowers_the_context_to_the_pool(cfg):
+    r = preflight(cfg, dtype="bfloat16", num_pages=10, page_size=16, clamp=True)
+    assert (r.verdict, r.context_length, r.num_full_context_requests) == (Verdict.CLAMPED, 160, 1)
+    assert r.can_start and "lowered to 160" in r.summary()
+    assert r.pool_bytes == 160 * cfg.kv_bytes_per_token(2)
+
+
+def test_allow_undersized_keeps_the_context(cfg):
+    r = preflight(cfg, dtype="float32", num_pages=10, page_size=16, allow_undersized=True)
+    assert (r.verdict, r.context_length, r.can_start) == (Verdict.UNDERSIZED_ALLOWED, 256, True)
+
+
+def test_a_lower_requested_context_can_fit(cfg):
+    r = preflight(cfg, dtype="float32", num_pages=10, page_size=16, context_length=128)
+    assert (r.verdict, r.context_length, r.requested_context_length, r.num_full_context_requests) == (
+        Verdict.OK,
+        128,
+        128,
+        1,
+    )
+    big = preflight(
+        replace(cfg, context_length=100), dtype="float32", num_pages=10, page_size=16, context_length=4096
+    )
+    assert big.context_length == 100  # never above what the model was trained for
+
+
+def test_pool_size_from_memory_without_allocating(cfg):
+    # 1 MiB at 512 bytes/token in f32 = 2048 tokens = 128 pages of 16
+    r = preflight_config(cfg, EngineConfig(model="x", kv_cache_memory=1 / 1024, page_size=16))
+    assert (r.num_pages, r.verdict) == (128, Verdict.OK)
+
+
+# ---- the commands -------------------------------------------------------------------------------------------
+
+
+def test_preflight_command(tiny_dir, capsys):
+    args = ["preflight", "--model", str(tiny_dir), "--kv-pages", "8", "--page-size", "16"]
+    assert main(args) == 1
+    assert "verdict         refused" in capsys.readouterr().out
+    assert main([*args, "--clamp-context-length"]) == 0
+    assert "context length  128" in capsys.readouterr().out
+    assert main([*args, "--allow-undersized-pool"]) == 0
+    assert main(["preflight", "--model", str(tiny_dir), "--kv-pages", "16", "--page-size", "16"]) == 0
+
+
+def test_serve_refuses_to_start_with_an_undersized_pool(tiny_dir, capsys):
+    assert (
+        main(["serve", "--model", str(tiny_dir), "--kv-pages", "8", "--page-size", "16", "--port", "1"]) == 1
+    )
+    assert "Refusing to start" in capsys.readouterr().out
+
+
+def test_serve_rejects_a_bad_keys_file(tiny_dir, tmp_path, capsys):
+    keys = tmp_path / "keys.json"
+    keys.write_text(json.dumps({"k": ""}))
+    assert main(["serve", "--model", str(tiny_dir), "--api-keys", str(keys), "--port", "1"]) == 2
+    assert "tenant" in capsys.readouterr().err
+
+
+def test_serve_command_clamps_and_serves(tiny_dir, tmp_path):
+    """The real `kvfence serve` process: clamped context advertised, API key required."""
+    keys = tmp_path / "keys.toml"
+    keys.write_text('"sk-test" = "team-a"\n')
+    cmd = [
+        sys.executable,
+        "-m",
+        "kvfence",
+        "serve",
+        "--model",
+        str(tiny_dir),
+        "--kv-pages",
+        "8",
+        "--page-size",
+        "16",
+    ]
+    cmd += ["--clamp-context-length", "--port", "0", "--api-keys", str(keys), "--threads", "1"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        assert proc.stdout is not None
+        lines = []
+        for line in proc.stdout:  # blocks until uvicorn reports its address
+            lines.append(line)
+            if "Uvicorn running on" in line:
+                break
+        text = "".join(lines)
+        assert "verdict         clamped" in text
+        url = text.split("Uvicorn running on ")[1].split()[0]
+        headers = {"Authorization": "Bearer sk-test"}
+        assert httpx.get(f"{url}/v1/models", timeout=30).status_code == 401
+        (card,) = httpx.get(f"{url}/v1/models", headers=headers, timeout=30).json()["data"]
+        assert (card["id"], card["max_model_len"]) == ("llama", 128)
+        body = {"model": "llama", "prompt": "Hello", "max_tokens": 4}
+        r = httpx.post(f"{url}/v1/completions", json=body, headers=headers, timeout=30)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 4
+    finally:
+        proc.terminate()
+        proc.wait(30)

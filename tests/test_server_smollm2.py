@@ -1,0 +1,46 @@
+"""The server end to end on the real default model (SmolLM2-135M-Instruct), with the official `openai` client."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.server_harness import MODEL, running_server
+
+pytestmark = pytest.mark.slow
+
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def server(smollm2):
+    with running_server(smollm2, page_size=16, kv_pages=64, max_num_batched_tokens=512) as handle:
+        yield handle
+        handle.assert_pool_clean()
+
+
+def test_chat_answers_and_counts_tokens(server, smollm2):
+    r = server.client().chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=24, temperature=0)
+    assert "Paris" in r.choices[0].message.content
+    tok = smollm2.tokenizer
+    assert r.usage.prompt_tokens == len(tok.encode(tok.apply_chat_template(QUESTION)))
+    assert r.choices[0].finish_reason in ("stop", "length")
+
+
+def test_streamed_chat_equals_the_non_streamed_answer(server):
+    client = server.client()
+    question = [{"role": "user", "content": "Name three colours of the rainbow."}]
+    full = client.chat.completions.create(model=MODEL, messages=question, max_tokens=32, temperature=0)
+    stream = client.chat.completions.create(
+        model=MODEL,
+        messages=question,
+        max_tokens=32,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    assert (
+        "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        == full.choices[0].message.content
+    )
+    assert chunks[-1].usage == full.usage
