@@ -119,10 +119,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     from kvfence.server.launch import add_server_args, cmd_preflight, cmd_serve
 
-    p = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API (colocated mode)")
-    add_engine_args(p)
-    add_server_args(p, serving=True)
-    p.set_defaults(func=cmd_serve)
+    serve = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API (colocated or PD mode)")
+    serve.add_argument(
+        "--mode", choices=["colocated", "pd"], default="colocated",
+        help="pd: a router here plus one prefill and one decode worker process on this machine",
+    )  # fmt: skip
+    add_engine_args(serve)
+    add_server_args(serve, serving=True)
+    serve.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("preflight", help="print the KV pool vs context length check (I6) and exit")
     add_engine_args(p)
@@ -130,8 +134,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_preflight)
 
     from kvfence.pd.cli import add_worker_commands
+    from kvfence.pd.serve import add_pd_args, add_router_command
 
+    add_pd_args(serve)
     add_worker_commands(sub)
+    add_router_command(sub)
     return parser
 
 

@@ -24,7 +24,7 @@ def start_cluster(tiny_dir, prefill_faults: str = ""):
     common = ["--model", str(tiny_dir), "--router", router.addr, "--threads", "1", "--page-size", "4"]
     env = {**os.environ, "KVFENCE_FAULTS": prefill_faults}
     procs = [
-        subprocess.Popen([sys.executable, "-m", "kvfence.pd.cli", "prefill", *common, "--kv-pages", "48",
+        subprocess.Popen([sys.executable, "-m", "kvfence.pd.cli", "prefill", *common, "--kv-pages", "64",
                           "--transfer-window", "2"], env=env),
         subprocess.Popen([sys.executable, "-m", "kvfence.pd.cli", "decode", *common, "--kv-pages", "96"]),
     ]  # fmt: skip
@@ -94,7 +94,7 @@ def test_pd_over_zeromq_equals_colocated(cluster, tiny_model):
 
 def test_router_admission_counts_every_stage(cluster):
     prefill_limits, decode_limits = cluster.limits()
-    assert prefill_limits.pool_pages == 48 and decode_limits.pool_pages == 96
+    assert prefill_limits.pool_pages == 64 and decode_limits.pool_pages == 96
     with pytest.raises(ContextLengthExceeded):
         cluster.submit([5] * 300, SamplingParams(max_tokens=4), "too-long", "t", lambda out: None)
 

@@ -7,6 +7,7 @@ import logging
 import sys
 
 from kvfence.cli import add_engine_args, engine_config_from_args
+from kvfence.server.launch import add_server_args
 
 
 def add_worker_commands(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -21,14 +22,25 @@ def add_worker_commands(sub: argparse._SubParsersAction) -> None:  # type: ignor
                 "--transfer-window", type=int, default=8, help="page frames in flight per transfer"
             )
         add_engine_args(p)
+        add_server_args(p, serving=False)  # --clamp-context-length / --allow-undersized-pool (I6)
         p.set_defaults(func=run_worker, role=role)
 
 
 def run_worker(args: argparse.Namespace) -> int:
+    from dataclasses import replace
+
     from kvfence.engine.llm_engine import LLMEngine
     from kvfence.pd.worker import DecodeWorker, PrefillWorker
+    from kvfence.server.launch import run_preflight
+    from kvfence.server.preflight import Verdict
 
-    engine = LLMEngine(engine_config_from_args(args))
+    config = engine_config_from_args(args)
+    report, loaded = run_preflight(config, args)  # I6: a worker whose pool cannot hold its context refuses
+    if not report.can_start:
+        return 1
+    if report.verdict is Verdict.CLAMPED:
+        config = replace(config, context_length=report.context_length)
+    engine = LLMEngine(config, loaded)
     worker: PrefillWorker | DecodeWorker
     if args.role == "prefill":
         worker = PrefillWorker(engine, args.router, args.data, window=args.transfer_window)

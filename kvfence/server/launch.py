@@ -79,6 +79,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from kvfence.server.metrics import ServerMetrics
     from kvfence.server.serving import ServerSettings
 
+    if getattr(args, "mode", "colocated") == "pd":
+        from kvfence.pd.serve import cmd_serve_pd
+
+        return cmd_serve_pd(args)
     config = engine_config_from_args(args)
     try:
         keys = load_api_keys(args.api_keys) if args.api_keys else None

@@ -1,0 +1,111 @@
+"""`RemoteEngine`: the PD router seen through the engine interface the HTTP server already drives.
+
+Boundary: adapts `Router` (ZeroMQ, workers) to the handful of `LLMEngine` members that `AsyncEngine` and the
+HTTP layer use (`add_request`, `abort`, `step`, `has_unfinished`, `limits`, `tokenizer`, stats), so the router's
+HTTP front is the colocated server unchanged: same API, same errors, same admission code path (I5), whose limits
+here are the smallest any prefill or decode worker can hold (I6). `step()` waits briefly for outputs from the
+decode workers instead of computing anything.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from kvfence.engine.admission import Limits
+from kvfence.engine.llm_engine import EngineStats
+from kvfence.engine.output import RequestOutput
+from kvfence.engine.request import SamplingParams
+from kvfence.kv.pool import PoolStats
+from kvfence.model.tokenizer import Tokenizer
+from kvfence.pd.router import Router
+
+STEP_WAIT_S = 0.05
+
+
+@dataclass(frozen=True, slots=True)
+class RemoteRequest:
+    request_id: str
+    tenant: str
+    num_pages_checked: int = 0  # checked on the decode worker; the router does not see pages
+
+
+@dataclass(frozen=True, slots=True)
+class RemoteModelConfig:
+    vocab_size: int
+
+
+@dataclass
+class _Queues:
+    waiting: list[str] = field(default_factory=list)
+    running: list[str] = field(default_factory=list)
+
+
+class _NoPool:
+    """The router holds no KV pages; its metrics show the pool as empty rather than inventing numbers."""
+
+    def stats(self) -> PoolStats:
+        return PoolStats(num_pages=0, num_free=0, num_leased=0, num_quarantined=0, num_held=0)
+
+
+class RemoteEngine:
+    def __init__(self, router: Router, tokenizer: Tokenizer) -> None:
+        self.router = router
+        self.tokenizer = tokenizer
+        prefill, decode = router.limits()
+        # One Limits for the HTTP layer's defaults: the smallest pool of any stage (the router's own admission
+        # still checks prefill and decode separately).
+        self.limits = Limits(
+            prefill.context_length, min(prefill.pool_pages, decode.pool_pages), decode.page_size
+        )
+        self.context_length = prefill.context_length
+        vocab = {w.fingerprint["vocab_size"] for w in router.workers.values()}
+        self.model_config = RemoteModelConfig(vocab.pop())
+        self.scheduler = _Queues()
+        self.pool = _NoPool()
+        self.stats = EngineStats()
+        self._outputs: queue.Queue[RequestOutput] = queue.Queue()
+        self._live: set[str] = set()
+        self._lock = threading.Lock()
+
+    def add_request(
+        self, prompt: Sequence[int], params: SamplingParams, request_id: str, tenant: str = "anonymous"
+    ) -> RemoteRequest:
+        with self._lock:
+            if request_id in self._live:
+                raise ValueError(f"request id {request_id!r} is already in use")
+            self._live.add(request_id)
+        try:
+            self.router.submit(list(prompt), params, request_id, tenant, self._outputs.put)
+        except BaseException:
+            with self._lock:
+                self._live.discard(request_id)
+            raise
+        return RemoteRequest(request_id, tenant)
+
+    def abort(self, request_id: str) -> None:
+        self.router.abort(request_id)
+
+    def has_unfinished(self) -> bool:
+        with self._lock:
+            return bool(self._live)
+
+    def step(self) -> list[RequestOutput]:
+        """Outputs that arrived from the workers; waits up to STEP_WAIT_S for the first one."""
+        try:
+            outputs = [self._outputs.get(timeout=STEP_WAIT_S)]
+        except queue.Empty:
+            return []
+        while True:
+            try:
+                outputs.append(self._outputs.get_nowait())
+            except queue.Empty:
+                break
+        with self._lock:
+            for out in outputs:
+                if out.finished:
+                    self._live.discard(out.request_id)
+                    self.stats.count((out.error_code and f"failed:{out.error_code}") or "finished")
+        return outputs

@@ -1,0 +1,118 @@
+"""`kvfence serve --mode pd` (router + one prefill + one decode worker on this machine) and `kvfence router`
+(the HTTP front alone; workers join from anywhere with `kvfence prefill|decode --router tcp://HOST:PORT`).
+
+Boundary: process setup only. The HTTP layer is the colocated server's, driven through `RemoteEngine`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+from kvfence.pd.router import Router
+
+log = logging.getLogger("kvfence.pd")
+REGISTRATION_TIMEOUT_S = 300
+
+
+def add_pd_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--prefill-kv-pages", type=int, default=None, help="PD: the prefill worker's pool (pages)")
+    p.add_argument("--decode-kv-pages", type=int, default=None, help="PD: the decode worker's pool (pages)")
+    p.add_argument("--transfer-window", type=int, default=8, help="PD: page frames in flight per transfer")
+
+
+def add_router_command(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    from kvfence.cli import add_engine_args
+    from kvfence.server.launch import add_server_args
+
+    p = sub.add_parser("router", help="PD: the HTTP front; prefill and decode workers register with it")
+    p.add_argument("--bind", default="tcp://0.0.0.0:7000", help="control address workers connect to")
+    p.add_argument("--num-prefill", type=int, default=1, help="prefill workers to wait for before serving")
+    p.add_argument("--num-decode", type=int, default=1, help="decode workers to wait for before serving")
+    add_engine_args(p)  # --model names the tokenizer; the workers hold the weights
+    add_server_args(p, serving=True)
+    p.set_defaults(func=cmd_router)
+
+
+def cmd_router(args: argparse.Namespace) -> int:
+    router = Router(bind=args.bind)
+    print(f"kvfence router: workers connect to {router.addr}", flush=True)
+    try:
+        if not router.wait_for_workers(args.num_prefill, args.num_decode, REGISTRATION_TIMEOUT_S):
+            print("kvfence router: workers did not register in time", file=sys.stderr)
+            return 1
+        return serve_http(router, args)
+    finally:
+        router.shutdown()
+
+
+def cmd_serve_pd(args: argparse.Namespace) -> int:
+    router = Router(bind="tcp://127.0.0.1:0")
+    with _workers(router, args) as procs:
+        for _ in range(REGISTRATION_TIMEOUT_S):
+            if router.wait_for_workers(1, 1, timeout=1.0):
+                break
+            if any(p.poll() is not None for p in procs):
+                print("kvfence serve --mode pd: a worker exited (see its preflight above)", file=sys.stderr)
+                return 1
+        else:
+            return 1
+        return serve_http(router, args)
+
+
+@contextlib.contextmanager
+def _workers(router: Router, args: argparse.Namespace) -> Iterator[list[subprocess.Popen[bytes]]]:
+    threads = str(max(1, (args.threads or 2) // 2))  # two workers share this machine's cores
+    common = ["--router", router.addr, "--model", args.model, "--dtype", args.dtype, "--device", args.device,
+              "--page-size", str(args.page_size), "--threads", threads]  # fmt: skip
+    for flag, value in (("--context-length", args.context_length),):
+        if value is not None:
+            common += [flag, str(value)]
+    common += ["--clamp-context-length"] if args.clamp_context_length else []
+    common += ["--allow-undersized-pool"] if args.allow_undersized_pool else []
+    procs = []
+    for role, pages in (("prefill", args.prefill_kv_pages), ("decode", args.decode_kv_pages)):
+        cmd = [sys.executable, "-m", "kvfence", role, *common]
+        cmd += ["--kv-pages", str(pages or args.kv_pages)] if (pages or args.kv_pages) else []
+        cmd += ["--transfer-window", str(args.transfer_window)] if role == "prefill" else []
+        procs.append(subprocess.Popen(cmd))
+    try:
+        yield procs
+    finally:
+        router.shutdown()
+        for p in procs:
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+def serve_http(router: Router, args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from kvfence.model.loader import load_tokenizer
+    from kvfence.pd.remote import RemoteEngine
+    from kvfence.server.app import build_app
+    from kvfence.server.async_engine import AsyncEngine
+    from kvfence.server.auth import load_api_keys
+    from kvfence.server.launch import how_to_call
+    from kvfence.server.metrics import ServerMetrics
+    from kvfence.server.serving import ServerSettings
+
+    keys = load_api_keys(args.api_keys) if args.api_keys else None
+    remote = RemoteEngine(router, load_tokenizer(args.model))
+    print(
+        f"kvfence router: context length {remote.context_length} (the smallest any worker holds)", flush=True
+    )
+    metrics = ServerMetrics()
+    engine = AsyncEngine(remote, max_queue=args.max_queue, observer=metrics)  # type: ignore[arg-type]
+    name = args.served_model_name or Path(args.model).stem
+    settings = ServerSettings(name, api_keys=keys, max_body_bytes=args.max_body_bytes)
+    print(how_to_call(args.host, args.port, name, with_key=keys is not None), flush=True)
+    uvicorn.run(build_app(engine, settings, metrics), host=args.host, port=args.port, log_level="info")
+    return 0

@@ -1,0 +1,90 @@
+"""`kvfence serve --mode pd` end to end: router + prefill + decode processes, driven with the openai client.
+
+The prefill pool is deliberately smaller than the context (the 2026 incident's configuration, allowed only with
+--allow-undersized-pool): prompts that fit the context but not the prefill pool must get 400 before anything is
+allocated anywhere, while normal prompts get the same greedy output as colocated mode.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+from openai import BadRequestError, OpenAI
+
+from kvfence.engine.request import SamplingParams
+from tests.conftest import make_engine, run_all
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def pd_server(tiny_dir):
+    port = free_port()
+    cmd = [sys.executable, "-m", "kvfence", "serve", "--mode", "pd", "--model", str(tiny_dir), "--port", str(port),
+           "--page-size", "4", "--prefill-kv-pages", "32", "--decode-kv-pages", "96", "--allow-undersized-pool",
+           "--threads", "2"]  # fmt: skip
+    proc = subprocess.Popen(cmd, env={**os.environ, "KVFENCE_FAULTS": ""})
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 180
+        while True:  # poll /health until the router answers; fail at once if the server died
+            try:
+                if httpx.get(f"{base}/health", timeout=1.0).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "PD server did not come up"
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=0.5)  # the poll interval, cut short only if the server exits
+                pytest.fail("kvfence serve --mode pd exited")
+        yield OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0)
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def test_pd_http_matches_colocated(pd_server, tiny_model, tiny_dir):
+    rng = random.Random(31)
+    prompts = [
+        [rng.randrange(3, tiny_model.config.vocab_size) for _ in range(rng.randint(5, 60))] for _ in range(4)
+    ]
+    engine = make_engine(tiny_model)
+    for i, p in enumerate(prompts):
+        engine.add_request(
+            p, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True), request_id=f"r{i}"
+        )
+    expected = run_all(engine)
+    model = tiny_dir.name
+    for i, p in enumerate(prompts):
+        got = pd_server.completions.create(
+            model=model, prompt=p, max_tokens=8, temperature=0, extra_body={"ignore_eos": True}
+        )
+        assert got.choices[0].text == expected[f"r{i}"].text
+        assert got.usage.prompt_tokens == len(p) and got.usage.completion_tokens == 8
+    stream = pd_server.completions.create(model=model, prompt=prompts[0], max_tokens=8, temperature=0, stream=True,
+                                          extra_body={"ignore_eos": True})  # fmt: skip
+    assert "".join(c.choices[0].text for c in stream if c.choices) == expected["r0"].text
+
+
+def test_over_pool_prompt_is_refused_by_the_router(pd_server, tiny_dir):
+    with pytest.raises(BadRequestError) as exc:
+        pd_server.completions.create(model=tiny_dir.name, prompt=[5] * 200, max_tokens=4)
+    assert exc.value.code == "context_length_exceeded"
+    assert "32 pages" in exc.value.message
+    ok = pd_server.completions.create(model=tiny_dir.name, prompt=[5] * 20, max_tokens=4, temperature=0)
+    assert ok.choices[0].finish_reason in ("length", "stop")
