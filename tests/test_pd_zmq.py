@@ -7,8 +7,10 @@ import contextlib
 import os
 import queue
 import random
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -19,18 +21,21 @@ from tests.conftest import make_engine, run_all
 
 
 @contextlib.contextmanager
-def start_cluster(tiny_dir, prefill_faults: str = ""):
-    router = Router()
+def start_cluster(tiny_dir, prefill_faults: str = "", num_decode: int = 1, dead_after_s: float = 3.0):
+    router = Router(dead_after_s=dead_after_s)
     common = ["--model", str(tiny_dir), "--router", router.addr, "--threads", "1", "--page-size", "4"]
     env = {**os.environ, "KVFENCE_FAULTS": prefill_faults}
     procs = [
         subprocess.Popen([sys.executable, "-m", "kvfence.pd.cli", "prefill", *common, "--kv-pages", "64",
                           "--transfer-window", "2"], env=env),
-        subprocess.Popen([sys.executable, "-m", "kvfence.pd.cli", "decode", *common, "--kv-pages", "96"]),
     ]  # fmt: skip
+    procs += [
+        subprocess.Popen([sys.executable, "-m", "kvfence.pd.cli", "decode", *common, "--kv-pages", "96"])
+        for _ in range(num_decode)
+    ]
     try:
         for _ in range(120):  # wait for registration, but fail at once if a worker died
-            if router.wait_for_workers(1, 1, timeout=1.0):
+            if router.wait_for_workers(1, num_decode, timeout=1.0):
                 break
             assert all(p.poll() is None for p in procs), "a worker exited before registering"
         else:
@@ -111,3 +116,34 @@ def test_placeholder_prefill_and_corrupted_frame_fail_only_their_victims(tiny_di
     assert len(victims) == 2 and all(got[k].error_code == "kv_integrity_error" for k in victims)
     assert all(got[k].token_ids == () and got[k].text == "" for k in victims)
     assert all(got[k].token_ids == expected[k] for k in got if k not in victims)
+
+
+def test_kill_9_of_a_decode_worker_fails_its_requests_and_the_cluster_keeps_serving(tiny_dir, tiny_model):
+    params = SamplingParams(max_tokens=240, temperature=0.0, ignore_eos=True)
+    jobs = jobs_for(tiny_model, 4, seed=23)
+    jobs = {k: v[:8] for k, v in jobs.items()}  # short prompts, long generations: all four are decoding
+    outputs: queue.Queue = queue.Queue()
+    with start_cluster(tiny_dir, num_decode=2, dead_after_s=1.5) as router:
+        for rid, ids in jobs.items():
+            router.submit(ids, params, rid, "tenant-b", outputs.put)
+        started: set[str] = set()
+        while len(started) < len(jobs):
+            started.add(outputs.get(timeout=120).request_id)
+        victim_decode = router.placement("r1")[1]
+        os.kill(victim_decode.pid, signal.SIGKILL)
+        final = {}
+        while len(final) < len(jobs):
+            out = outputs.get(timeout=120)
+            if out.finished:
+                final[out.request_id] = out
+        lost = {k for k, v in final.items() if v.error_code == "worker_unavailable"}
+        assert "r1" in lost and all(final[k].finish_reason == "length" for k in final if k not in lost)
+        # the cluster keeps serving on the surviving workers
+        again = collect(router, {"after": jobs["r0"]}, SamplingParams(max_tokens=4, temperature=0.0))
+        assert again["after"].error_code is None
+        # and the prefill pool is whole again (as the prefill's heartbeats report it)
+        prefill = next(w for w in router.workers.values() if w.role == "prefill")
+        deadline = time.monotonic() + 30
+        while prefill.pool_free != 64:
+            assert time.monotonic() < deadline, f"prefill pool not whole: {prefill.pool_free} of 64 free"
+            time.sleep(0.2)  # poll interval: the pool count arrives with the next heartbeat

@@ -20,7 +20,8 @@ from kvfence.engine.output import RequestOutput
 from kvfence.engine.request import SamplingParams
 from kvfence.kv.pool import PoolStats
 from kvfence.model.tokenizer import Tokenizer
-from kvfence.pd.router import Router
+from kvfence.pd.router import NoWorkers, Router
+from kvfence.server.async_engine import EngineUnavailable
 
 STEP_WAIT_S = 0.05
 
@@ -79,6 +80,10 @@ class RemoteEngine:
             self._live.add(request_id)
         try:
             self.router.submit(list(prompt), params, request_id, tenant, self._outputs.put)
+        except NoWorkers as exc:
+            with self._lock:
+                self._live.discard(request_id)
+            raise EngineUnavailable(str(exc)) from exc
         except BaseException:
             with self._lock:
                 self._live.discard(request_id)

@@ -10,6 +10,7 @@ import logging
 import os
 import queue
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -36,6 +37,9 @@ class WorkerInfo:
     role: str
     fingerprint: dict[str, Any]
     data_addr: str
+    last_seen: float = field(default_factory=time.monotonic)
+    pool_free: int | None = None  # from the latest heartbeat
+    pid: int | None = None  # for operators' logs (and tests that kill a worker)
 
 
 @dataclass
@@ -51,6 +55,7 @@ class _Routed:
 class Router:
     bind: str = "tcp://127.0.0.1:0"
     ctx: zmq.Context[Any] = field(default_factory=zmq.Context.instance)
+    dead_after_s: float = 3.0  # no message (heartbeats included) for this long: the worker is gone
 
     def __post_init__(self) -> None:
         self.socket = self.ctx.socket(zmq.ROUTER)
@@ -113,6 +118,15 @@ class Router:
         admit(len(prompt_ids), params, decode_limits)
         self._post(lambda: self._route(prompt_ids, params, RequestId(request_id), tenant, on_output))
 
+    def placement(self, request_id: str) -> tuple[WorkerInfo, WorkerInfo] | None:
+        """(prefill, decode) serving a live request, or None."""
+        routed = self._routed.get(RequestId(request_id))
+        if routed is None:
+            return None
+        workers = dict(self.workers)
+        p, d = workers.get(routed.prefill), workers.get(routed.decode)
+        return (p, d) if p is not None and d is not None else None
+
     def abort(self, request_id: str) -> None:
         self._post(lambda: self._abort(RequestId(request_id)))
 
@@ -139,14 +153,17 @@ class Router:
         poller.register(self.socket, zmq.POLLIN)
         poller.register(self._wake_rx, zmq.POLLIN)
         while self._running:
-            for sock, _ in poller.poll():
+            for sock, _ in poller.poll(timeout=int(self.dead_after_s * 250)):
                 if sock is self._wake_rx:
                     self._wake_rx.recv()
                     while not self._work.empty():
                         self._work.get_nowait()()
                 else:
                     identity, frame = self.socket.recv_multipart()
+                    if identity in self.workers:
+                        self.workers[identity].last_seen = time.monotonic()
                     self._on_message(identity, control.unpack(frame))
+            self._reap_dead_workers()
 
     def _on_message(self, identity: bytes, msg: dict[str, Any]) -> None:
         op = msg["op"]
@@ -160,8 +177,23 @@ class Router:
                 routed.on_output(out)
                 if out.finished:
                     self._routed.pop(out.request_id, None)
+        elif op == "heartbeat" and identity in self.workers:
+            self.workers[identity].pool_free = msg.get("pool_free")
         elif op == "error":
             self._on_error(identity, RequestId(msg["request_id"]), msg["code"])
+
+    def _reap_dead_workers(self) -> None:
+        """A worker that went silent is gone: its requests fail (503 to clients), the surviving side of each is
+        told to abort (revoking its reservations), and placement skips it from now on."""
+        now = time.monotonic()
+        dead = [w for w in self.workers.values() if now - w.last_seen > self.dead_after_s]
+        for w in dead:
+            log.error("%s worker %s missed its heartbeats; failing its requests", w.role, w.data_addr or "")
+            with self._registered:
+                del self.workers[w.identity]
+            for rid, routed in list(self._routed.items()):
+                if w.identity in (routed.prefill, routed.decode):
+                    self._on_error(w.identity, rid, "worker_unavailable")
 
     def _register(self, identity: bytes, msg: dict[str, Any]) -> None:
         fp = msg["fingerprint"]
@@ -175,7 +207,9 @@ class Router:
                 self.socket.send_multipart([identity, control.pack("refused", reason=reason)])
                 return
         with self._registered:
-            self.workers[identity] = WorkerInfo(identity, msg["role"], fp, msg.get("data_addr", ""))
+            self.workers[identity] = WorkerInfo(
+                identity, msg["role"], fp, msg.get("data_addr", ""), pid=msg.get("pid")
+            )
             self._registered.notify_all()
         log.info("registered %s worker %s", msg["role"], fp)
         self.socket.send_multipart([identity, control.pack("registered")])
@@ -185,6 +219,9 @@ class Router:
     ) -> None:
         prefills = [w for w in self.workers.values() if w.role == "prefill"]
         decodes = [w for w in self.workers.values() if w.role == "decode"]
+        if not prefills or not decodes:
+            cb(RequestOutput(rid, (), "", True, "error", "worker_unavailable", len(ids), 0, "", ()))
+            return
         n = next(self._rr)
         p, d = prefills[n % len(prefills)], decodes[n % len(decodes)]
         self._routed[rid] = _Routed(len(ids), p.identity, d.identity, cb)

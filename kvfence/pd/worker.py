@@ -13,6 +13,8 @@ Sockets:  control  DEALER -> router (ROUTER)               registration, request
 from __future__ import annotations
 
 import logging
+import os
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,6 +34,7 @@ from kvfence.pd.sender import Action, ReleaseLocal, SendAbort, SendFinal, SendFr
 
 log = logging.getLogger("kvfence.pd.worker")
 IDLE_POLL_MS = 50
+HEARTBEAT_S = 0.5  # the router declares a worker dead after several missed heartbeats
 
 
 def fingerprint(engine: LLMEngine) -> dict[str, Any]:
@@ -65,9 +68,15 @@ class Worker:
 
     def serve(self) -> None:
         self.send_control(
-            "register", role=self.role, fingerprint=fingerprint(self.engine), data_addr=self.data_addr
-        )
+            "register", role=self.role, fingerprint=fingerprint(self.engine), data_addr=self.data_addr,
+            pid=os.getpid(),
+        )  # fmt: skip
+        last_beat = time.monotonic()
         while self.running:
+            if time.monotonic() - last_beat >= HEARTBEAT_S:
+                stats = self.engine.pool.stats()
+                self.send_control("heartbeat", pool_free=stats.num_free, pool_total=stats.num_pages)
+                last_beat = time.monotonic()
             busy = self.engine.has_unfinished()
             for sock, _ in self.poller.poll(0 if busy else IDLE_POLL_MS):
                 self._drain(sock)

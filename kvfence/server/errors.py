@@ -67,9 +67,20 @@ def integrity_error() -> OpenAIError:
     return OpenAIError(500, INTEGRITY_MESSAGE, type="server_error", code="kv_integrity_error")
 
 
+CLIENT_ERROR_CODES = {"context_length_exceeded", "invalid_prompt", "invalid_value", "invalid_request_error"}
+UNAVAILABLE_CODES = {"worker_unavailable", "decode_unavailable"}
+
+
 def engine_failed(code: str | None) -> OpenAIError:
     if code == "kv_integrity_error":
         return integrity_error()
+    if code in CLIENT_ERROR_CODES:  # PD: a worker's own admission refused what the router let through
+        return OpenAIError(400, f"the request was refused by a worker ({code})", code=code)
+    if code in UNAVAILABLE_CODES:  # PD: the worker serving it died or has no room; retrying may succeed
+        return OpenAIError(
+            503, f"the request lost its worker ({code})", type="server_error", code=code,
+            headers={"Retry-After": "1"},
+        )  # fmt: skip
     return OpenAIError(500, f"the request failed in the engine ({code})", type="server_error", code=code)
 
 
