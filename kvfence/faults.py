@@ -26,6 +26,8 @@ class Faults:
     placeholder_prefill: int = 0
     # PD: one byte of one page frame's payload is flipped in flight.
     corrupt_frame: int = 0
+    # PD decode: a timed-out transfer's pages are freed without revoking the transfer (late frames still land).
+    free_on_timeout: int = 0
 
     def fire(self, name: str) -> bool:
         """Consume one shot of knob `name`; True if the fault should happen now."""

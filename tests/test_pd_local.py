@@ -61,3 +61,90 @@ def test_placeholder_prefill_fails_the_victim_and_nobody_else(tiny_model):
         and got[failed[0]].token_ids == ()
     )
     assert all(got[k].token_ids == expected[k].token_ids for k in got if k not in failed)
+
+
+def late_write_scenario(model, rx_checks: bool, engine_checks: bool):
+    """Bug 2 of the design brief, with the `free_on_timeout` knob: decode times out tenant A's transfer and frees
+    its pages while A's frames are still in flight; tenant B's transfer gets the same pages; A's frames land."""
+    from kvfence.engine.request import SamplingParams
+    from kvfence.ids import RequestId
+    from kvfence.pd.local import layout_fingerprint
+    from kvfence.pd.messages import FrameAck, TransferId
+    from kvfence.pd.receiver import Applied, Ready, TransferReceiver
+    from kvfence.pd.sender import SendFinal, SendFrames, TransferSender
+
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    a, b = prompts(model, 2, seed=13)
+    a, b = a[:12], (b * 3)[:12]  # three pages each: B reuses exactly A's pages
+    prefill = make_engine(model)
+    prefill.add_request(a, params, request_id="A", prefill_only=True)
+    prefill.add_request(b, params, request_id="B", prefill_only=True)
+    handed = {}
+    while len(handed) < 2:
+        prefill.step()
+        handed.update({r.request_id: r for r in prefill.take_handoffs()})
+    decode = make_engine(model, kv_pages=5, integrity_checks=engine_checks)
+    layout = layout_fingerprint(decode)
+    rx = TransferReceiver(
+        decode.pool,
+        layout,
+        decode.runner.cache.page_bytes(),
+        checks=rx_checks,
+        faults=Faults(free_on_timeout=1),
+    )
+
+    def frames_and_final(rid: str, tid: int):
+        req = handed[rid]
+        ticket = rx.reserve(TransferId(tid), RequestId(rid), len(req.pages))
+        tx = TransferSender(ticket, len(req.pages), layout, window=8, first_token=req.token_ids[-1])
+        (send,) = tx.start()
+        assert isinstance(send, SendFrames)
+        frames = [tx.frame(i, prefill.runner.cache.read_page(req.pages[i])) for i in send.indices]
+        finals = [a for f in frames for a in tx.on_ack(rx_ack(f)) if isinstance(a, SendFinal)]
+        return frames, finals
+
+    def rx_ack(frame):
+        return FrameAck(frame.transfer_id, frame.index)
+
+    def deliver(frames):
+        for f in frames:
+            verdict = rx.on_frame(f)
+            if isinstance(verdict, Applied):
+                decode.runner.cache.write_page(verdict.lease.page, f.payload)
+
+    decode.expect_transfer(a, params, "A")
+    late_frames, _ = frames_and_final("A", 1)  # A's frames are in flight...
+    rx.revoke(TransferId(1), "timeout")  # ...when decode gives up on A
+    decode.fail_transfer("A", "transfer_timeout")
+    decode.expect_transfer(b, params, "B")
+    frames, finals = frames_and_final("B", 2)
+    deliver(frames)
+    ready = rx.on_final(finals[0].final)
+    assert isinstance(ready, Ready)
+    decode.complete_transfer("B", ready.leases, ready.first_token)
+    deliver(late_frames)  # A's late frames arrive
+    final = {}
+    while decode.has_unfinished():
+        for out in decode.step():
+            if out.finished:
+                final[out.request_id] = out
+    reference = make_engine(model)
+    reference.add_request(b, params, request_id="B")
+    return final["B"], run_all(reference)["B"]
+
+
+def test_late_frames_after_timeout_are_dropped(tiny_model):
+    got, expected = late_write_scenario(tiny_model, rx_checks=True, engine_checks=True)
+    assert got.error_code is None and got.token_ids == expected.token_ids
+
+
+def test_late_frames_that_land_are_caught_by_the_tag_check(tiny_model):
+    """Receiver checks off (the historical receiver): the late write lands, but it stamps A's lease on B's page,
+    and I1 fails B before it decodes from it."""
+    got, _ = late_write_scenario(tiny_model, rx_checks=False, engine_checks=True)
+    assert got.error_code == "kv_integrity_error" and got.text == ""
+
+
+def test_late_frames_with_every_check_off_leak_into_the_next_request(tiny_model):
+    got, expected = late_write_scenario(tiny_model, rx_checks=False, engine_checks=False)
+    assert got.error_code is None and got.token_ids != expected.token_ids

@@ -83,6 +83,7 @@ class Worker:
             if self.engine.has_unfinished():
                 self.on_outputs(self.engine.step())
                 self.after_step()
+            self.on_tick()
         self.close()
 
     def _drain(self, sock: zmq.Socket[Any]) -> None:
@@ -136,6 +137,7 @@ class Worker:
     def on_data(self, sock: zmq.Socket[Any], frames: list[bytes]) -> None: ...
     def on_outputs(self, outputs: list[RequestOutput]) -> None: ...
     def after_step(self) -> None: ...
+    def on_tick(self) -> None: ...
 
 
 @dataclass
@@ -258,11 +260,19 @@ class PrefillWorker(Worker):
 class DecodeWorker(Worker):
     role = "decode"
 
-    def __init__(self, engine: LLMEngine, router_addr: str, **kw: Any) -> None:
+    def __init__(
+        self, engine: LLMEngine, router_addr: str, transfer_timeout_s: float = 30.0, **kw: Any
+    ) -> None:
         super().__init__(engine, router_addr, **kw)
         self.receiver = TransferReceiver(
-            engine.pool, layout_fingerprint(engine), engine.runner.cache.page_bytes()
+            engine.pool,
+            layout_fingerprint(engine),
+            engine.runner.cache.page_bytes(),
+            checks=engine.integrity_checks,  # --no-integrity-checks turns both layers off (debug only)
+            faults=engine.faults,
         )
+        self.transfer_timeout_s = transfer_timeout_s
+        self.started: dict[TransferId, float] = {}
         self.peers: dict[str, zmq.Socket[Any]] = {}  # prefill data address -> our DEALER to it
         self.incoming: dict[TransferId, tuple[RequestId, zmq.Socket[Any]]] = {}
 
@@ -277,7 +287,20 @@ class DecodeWorker(Worker):
             self._fail(rid, "decode_unavailable", str(exc))
             return
         self.incoming[tid] = (rid, sock)
+        self.started[tid] = time.monotonic()
         sock.send_multipart(wire.encode(ticket))
+
+    def on_tick(self) -> None:
+        """Liveness: a transfer that does not complete in time is revoked (never a bare free, I4) and fails."""
+        now = time.monotonic()
+        for tid, t0 in list(self.started.items()):
+            if now - t0 > self.transfer_timeout_s and tid in self.incoming:
+                rid, sock = self.incoming.pop(tid)
+                self.receiver.revoke(tid, "timeout")
+                sock.send_multipart(wire.encode(Abort(tid, "timeout")))
+                self._fail(rid, "transfer_timeout", f"no complete transfer after {self.transfer_timeout_s} s")
+            if tid not in self.incoming:
+                del self.started[tid]
 
     def admit_request(self, msg: dict[str, Any], params: Any, **kw: Any) -> Request:
         return self.engine.expect_transfer(
