@@ -148,3 +148,25 @@ def test_late_frames_that_land_are_caught_by_the_tag_check(tiny_model):
 def test_late_frames_with_every_check_off_leak_into_the_next_request(tiny_model):
     got, expected = late_write_scenario(tiny_model, rx_checks=False, engine_checks=False)
     assert got.error_code is None and got.token_ids != expected.token_ids
+
+
+def test_pd_logprobs_include_the_token_sampled_by_prefill(tiny_model):
+    """The first token is sampled on the prefill side; its logprobs travel in the final frame, so PD returns
+    one logprob entry per token, equal to colocated mode's."""
+    from kvfence.engine.request import SamplingParams
+
+    p = prompts(tiny_model, 1, seed=14)[0]
+    params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True, logprobs=2)
+    colocated = make_engine(tiny_model)
+    colocated.add_request(p, params, request_id="r")
+    expected = []
+    while colocated.has_unfinished():
+        expected += [lp for out in colocated.step() for lp in out.logprobs]
+    pair = LocalPDPair(make_engine(tiny_model), make_engine(tiny_model))
+    pair.add_request(p, params, "r")
+    got = []
+    while pair.has_unfinished():
+        got += [lp for out in pair.step() for lp in out.logprobs]
+    assert len(got) == len(expected) == 5
+    for (c1, top1), (c2, top2) in zip(got, expected, strict=True):
+        assert abs(c1 - c2) < 1e-4 and [t for t, _ in top1] == [t for t, _ in top2]

@@ -181,9 +181,16 @@ class LLMEngine:
         self.outputs.add(request)
         return request
 
-    def complete_transfer(self, request_id: str, leases: Sequence[Lease], first_token: int) -> None:
+    def complete_transfer(
+        self,
+        request_id: str,
+        leases: Sequence[Lease],
+        first_token: int,
+        first_logprobs: tuple[float, tuple[tuple[int, float], ...]] | None = None,
+    ) -> None:
         """Decode side: every page arrived and verified (I3); the request adopts them and starts decoding."""
         request = self._requests[RequestId(request_id)]
+        request.pending_logprobs = (first_logprobs,) if first_logprobs is not None else ()
         request.add_leases(list(leases))
         request.num_computed_tokens = request.num_prompt_tokens
         request.token_ids.append(first_token)

@@ -82,7 +82,8 @@ class OutputProcessor:
         text = st.detok.text if st.cut is None else st.detok.text[: st.cut]
         visible = len(text) if request.state.terminal else len(text) - _held_back(text, stops)
         lp = result.logprobs.get(request.request_id) if result.logprobs else None
-        return self._output(request, st, text, max(visible, st.emitted), new_ids, (lp,) if lp else ())
+        logprobs, request.pending_logprobs = (*request.pending_logprobs, *((lp,) if lp else ())), ()
+        return self._output(request, st, text, max(visible, st.emitted), new_ids, logprobs)
 
     def final(self, request: Request) -> RequestOutput:
         """The last output of a request that ended outside a normal step (abort, integrity failure)."""

@@ -106,6 +106,8 @@ class Request:
     num_preemptions: int = 0
     num_pages_checked: int = 0  # pages verified by I1 checks over the request's life
     prefill_only: bool = False  # PD prefill side: stop after the first token and hand the pages to a transfer
+    # PD decode side: logprobs of the first token (sampled by prefill), emitted with the first output
+    pending_logprobs: tuple[tuple[float, tuple[tuple[int, float], ...]], ...] = ()
 
     def __post_init__(self) -> None:
         if not self.token_ids:

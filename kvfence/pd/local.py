@@ -55,6 +55,7 @@ class LocalPDPair:
         self.receiver = TransferReceiver(self.decode.pool, layout, self.decode.runner.cache.page_bytes())
         self._transfers: dict[TransferId, _Transfer] = {}
         self._ids = itertools.count(1)
+        self._first_logprobs: dict[RequestId, tuple[float, tuple[tuple[int, float], ...]]] = {}
         self.failed: list[RequestOutput] = []
 
     def add_request(self, prompt_ids: Sequence[int], params: SamplingParams, request_id: str) -> None:
@@ -64,7 +65,9 @@ class LocalPDPair:
 
     def step(self) -> list[RequestOutput]:
         if self.prefill.has_unfinished():
-            self.prefill.step()
+            for out in self.prefill.step():
+                if out.logprobs and not out.finished:
+                    self._first_logprobs[out.request_id] = out.logprobs[-1]
             for request in self.prefill.take_handoffs():
                 self._start_transfer(request)
         outputs = self.failed + self.decode.step()
@@ -79,7 +82,8 @@ class LocalPDPair:
         ticket = self.receiver.reserve(tid, request.request_id, len(request.pages))
         num_local = 1 if self.prefill.faults.fire("placeholder_prefill") else len(request.pages)
         layout = layout_fingerprint(self.prefill)
-        sender = TransferSender(ticket, num_local, layout, self.window, first_token=request.token_ids[-1])
+        lp = self._first_logprobs.pop(request.request_id, None)
+        sender = TransferSender(ticket, num_local, layout, self.window, request.token_ids[-1], lp)
         self._transfers[tid] = _Transfer(request, sender)
         self._run(tid, sender.start())
 
@@ -110,7 +114,9 @@ class LocalPDPair:
         result = self.receiver.on_final(final)
         self._transfers.pop(tid)
         if isinstance(result, Ready):
-            self.decode.complete_transfer(result.request_id, result.leases, result.first_token)
+            self.decode.complete_transfer(
+                result.request_id, result.leases, result.first_token, result.first_logprobs
+            )
         elif isinstance(result, Failed):
             self._fail(tid, result, failure_code(result.reason))
 

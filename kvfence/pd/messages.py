@@ -57,6 +57,8 @@ class FinalFrame:
     num_pages: int
     digest: bytes
     first_token: int  # the token prefill sampled after the prompt; decode continues from it
+    # its logprob and top-k alternatives, when the request asked for logprobs
+    first_logprobs: tuple[float, tuple[tuple[int, float], ...]] | None = None
     version: int = SCHEMA_VERSION
 
 

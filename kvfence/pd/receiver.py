@@ -43,6 +43,7 @@ class Ready:
     request_id: RequestId
     leases: tuple[Lease, ...]
     first_token: int
+    first_logprobs: tuple[float, tuple[tuple[int, float], ...]] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,7 +150,7 @@ class TransferReceiver:
         del self._active[final.transfer_id]
         self._ended[final.transfer_id] = "completed"
         self.stats.completed += 1
-        return Ready(res.request_id, tuple(res.leases), final.first_token)
+        return Ready(res.request_id, tuple(res.leases), final.first_token, final.first_logprobs)
 
     def revoke(self, transfer_id: TransferId, reason: str) -> Failed | None:
         """Abort a transfer (timeout, client gone, prefill error). From now on its frames are dropped on arrival,

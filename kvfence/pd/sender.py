@@ -48,11 +48,18 @@ class SenderState(Enum):
 
 class TransferSender:
     def __init__(
-        self, ticket: Ticket, num_local_pages: int, layout: str, window: int, first_token: int = 0
+        self,
+        ticket: Ticket,
+        num_local_pages: int,
+        layout: str,
+        window: int,
+        first_token: int = 0,
+        first_logprobs: tuple[float, tuple[tuple[int, float], ...]] | None = None,
     ) -> None:
         assert window >= 1
         self.ticket = ticket
         self.first_token = first_token  # sampled by prefill after the prompt; travels in the final frame
+        self.first_logprobs = first_logprobs
         self.window = window
         self.state = SenderState.SENDING
         self._local_pages = num_local_pages
@@ -86,7 +93,13 @@ class TransferSender:
             digest = transfer_digest(d for d in self._digests if d is not None)
             return [
                 SendFinal(
-                    FinalFrame(self.ticket.transfer_id, self.ticket.num_pages, digest, self.first_token)
+                    FinalFrame(
+                        self.ticket.transfer_id,
+                        self.ticket.num_pages,
+                        digest,
+                        self.first_token,
+                        self.first_logprobs,
+                    )
                 ),
                 ReleaseLocal(),
             ]

@@ -95,12 +95,29 @@ def _build(cls: type, f: dict[str, Any]) -> Message:
                 _int(f["num_pages"]),
                 bytes.fromhex(_str(f["digest"])),
                 _int(f["first_token"]),
+                _logprobs(f.get("first_logprobs")),
             )
         if cls is Abort:
             return Abort(TransferId(_int(f["transfer_id"])), _str(f["reason"]))
         return AbortAck(TransferId(_int(f["transfer_id"])))
     except (KeyError, TypeError, ValueError) as exc:
         raise WireError(f"malformed {cls.__name__}: {exc}") from exc
+
+
+def _logprobs(v: object) -> tuple[float, tuple[tuple[int, float], ...]] | None:
+    if v is None:
+        return None
+    if not isinstance(v, list) or len(v) != 2 or not isinstance(v[1], list):
+        raise WireError("malformed first_logprobs")
+    return _float(v[0]), tuple(
+        (_int(p[0]), _float(p[1])) for p in v[1] if isinstance(p, list) and len(p) == 2
+    )
+
+
+def _float(v: object) -> float:
+    if not isinstance(v, int | float) or isinstance(v, bool):
+        raise WireError(f"expected a number, got {v!r}")
+    return float(v)
 
 
 def _int(v: object) -> int:

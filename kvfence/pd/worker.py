@@ -167,6 +167,7 @@ class PrefillWorker(Worker):
         self.poller.register(self.data, zmq.POLLIN)
         self.out: dict[RequestId, _Outgoing] = {}  # by request id, from ticket to release
         self.done: dict[RequestId, Request] = {}  # prefilled, ticket not here yet
+        self.first_logprobs: dict[RequestId, tuple[float, tuple[tuple[int, float], ...]]] = {}
 
     def on_request(self, msg: dict[str, Any]) -> None:
         if msg["op"] == "prefill":
@@ -204,9 +205,9 @@ class PrefillWorker(Worker):
 
     def on_outputs(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
-            if (
-                out.finished and out.error_code is not None
-            ):  # failed during prefill: tell the client and decode
+            if out.logprobs and not out.finished:  # the first token's, for the final frame
+                self.first_logprobs[out.request_id] = out.logprobs[-1]
+            if out.finished and out.error_code is not None:  # failed in prefill: tell the client and decode
                 self.send_error(out.request_id, out.error_code, "prefill failed", 500)
                 o = self.out.pop(out.request_id, None)
                 if o is not None:
@@ -229,7 +230,9 @@ class PrefillWorker(Worker):
         o.request = self.done.pop(rid)
         first = o.request.token_ids[-1]
         num_local = 1 if self.engine.faults.fire("placeholder_prefill") else len(o.request.pages)
-        o.sender = TransferSender(o.ticket, num_local, layout_fingerprint(self.engine), self.window, first)
+        layout = layout_fingerprint(self.engine)
+        lp = self.first_logprobs.pop(rid, None)
+        o.sender = TransferSender(o.ticket, num_local, layout, self.window, first, lp)
         self._act(rid, o.sender.start())
 
     def _act(self, rid: RequestId, actions: list[Action]) -> None:
@@ -332,7 +335,7 @@ class DecodeWorker(Worker):
             return
         rid = entry[0]
         if isinstance(result, Ready):
-            self.engine.complete_transfer(rid, result.leases, result.first_token)
+            self.engine.complete_transfer(rid, result.leases, result.first_token, result.first_logprobs)
         elif isinstance(result, Failed):
             self._fail(rid, failure_code(result.reason), result.reason)
 
