@@ -24,7 +24,7 @@ test: model
 	$(BIN)/pytest -q
 
 serve: model
-	$(BIN)/kvfence serve
+	$(BIN)/kvfence serve --mode pd
 
 lint: $(STAMP)
 	$(BIN)/ruff format --check kvfence tests bench
