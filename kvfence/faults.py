@@ -28,6 +28,8 @@ class Faults:
     corrupt_frame: int = 0
     # PD decode: a timed-out transfer's pages are freed without revoking the transfer (late frames still land).
     free_on_timeout: int = 0
+    # PD router: the next request gets the previous request's transfer id (a metadata collision).
+    reuse_transfer_id: int = 0
 
     def fire(self, name: str) -> bool:
         """Consume one shot of knob `name`; True if the fault should happen now."""

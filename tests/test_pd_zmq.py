@@ -147,3 +147,21 @@ def test_kill_9_of_a_decode_worker_fails_its_requests_and_the_cluster_keeps_serv
         while prefill.pool_free != 64:
             assert time.monotonic() < deadline, f"prefill pool not whole: {prefill.pool_free} of 64 free"
             time.sleep(0.2)  # poll interval: the pool count arrives with the next heartbeat
+
+
+def test_a_reused_transfer_id_fails_the_second_request_only(tiny_dir, tiny_model):
+    """Bug 4 of the design brief (metadata collision): the router hands the next request the previous one's
+    transfer id; decode refuses the reuse, so the second request fails and the first is untouched."""
+    jobs = jobs_for(tiny_model, 2, seed=25)
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    expected = colocated_reference(tiny_model, jobs, params)
+    with start_cluster(tiny_dir) as router:
+        router.faults.reuse_transfer_id = 1
+        got = {}
+        for (
+            rid,
+            ids,
+        ) in jobs.items():  # one at a time, so the first transfer is live or done when the second comes
+            got.update(collect(router, {rid: ids}, params))
+    assert got["r0"].token_ids == expected["r0"] and got["r0"].error_code is None
+    assert got["r1"].error_code == "kv_integrity_error" and got["r1"].token_ids == ()

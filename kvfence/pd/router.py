@@ -20,6 +20,7 @@ import zmq
 from kvfence.engine.admission import Limits, admit
 from kvfence.engine.output import RequestOutput
 from kvfence.engine.request import SamplingParams
+from kvfence.faults import Faults
 from kvfence.ids import RequestId
 from kvfence.pd import control
 
@@ -56,6 +57,7 @@ class Router:
     bind: str = "tcp://127.0.0.1:0"
     ctx: zmq.Context[Any] = field(default_factory=zmq.Context.instance)
     dead_after_s: float = 3.0  # no message (heartbeats included) for this long: the worker is gone
+    faults: Faults = field(default_factory=Faults)
 
     def __post_init__(self) -> None:
         self.socket = self.ctx.socket(zmq.ROUTER)
@@ -80,6 +82,7 @@ class Router:
         self._registered = threading.Condition()
         self._rr = itertools.count()
         self._tids = itertools.count((int.from_bytes(os.urandom(3), "little") << 40) + 1)
+        self._last_tid = 0
         self._running = True
         self._thread = threading.Thread(target=self._loop, name="kvfence-router", daemon=True)
         self._thread.start()
@@ -231,7 +234,8 @@ class Router:
             "params": control.params_to_json(params),
             "tenant": tenant,
         }
-        tid = next(self._tids)
+        tid = self._last_tid if self._last_tid and self.faults.fire("reuse_transfer_id") else next(self._tids)
+        self._last_tid = tid
         self.socket.send_multipart(
             [d.identity, control.pack("expect", transfer_id=tid, prefill_addr=p.data_addr, **body)]
         )

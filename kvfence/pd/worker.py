@@ -286,8 +286,11 @@ class DecodeWorker(Worker):
         sock = self._peer(msg["prefill_addr"])
         try:
             ticket = self.receiver.reserve(tid, rid, self.engine.pool.pages_for(len(msg["prompt_ids"])))
-        except (PoolExhausted, ValueError) as exc:
+        except PoolExhausted as exc:
             self._fail(rid, "decode_unavailable", str(exc))
+            return
+        except ValueError as exc:  # a reused transfer id: a metadata collision, never trusted (bug 4)
+            self._fail(rid, "kv_integrity_error", str(exc))
             return
         self.incoming[tid] = (rid, sock)
         self.started[tid] = time.monotonic()
