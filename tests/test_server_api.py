@@ -12,6 +12,7 @@ import httpx
 import pytest
 
 from kvfence.engine.request import SamplingParams
+from kvfence.server.protocol import capacity
 from tests.conftest import make_engine
 from tests.server_harness import MODEL, running_server
 
@@ -217,11 +218,38 @@ def test_chat_logprobs(client):
 def test_default_max_tokens(client, tiny_model, server):
     ids = chat_ids(tiny_model, MESSAGES)
     r = client.chat.completions.create(model=MODEL, messages=MESSAGES, **GREEDY)
-    assert r.usage.completion_tokens == server.engine.engine.limits.context_length - len(
-        ids
-    )  # vLLM: the rest
+    assert r.usage.completion_tokens == capacity(server.engine.engine.limits) - len(ids)  # vLLM: the rest
     r = client.completions.create(model=MODEL, prompt="Hello", **GREEDY)
     assert r.usage.completion_tokens == 16  # OpenAI legacy default
+
+
+NULLABLE = {
+    "/completions": {"prompt": "Hello", "echo": None, "logprobs": None},
+    "/chat/completions": {"messages": MESSAGES, "logprobs": None, "top_logprobs": None},
+}
+
+
+@pytest.mark.parametrize("path", sorted(NULLABLE))
+def test_null_optional_parameters_mean_their_defaults(server, path):
+    """OpenAI allows null for every optional parameter; the official client sends `temperature=None` so."""
+    nulls = dict.fromkeys(
+        ["temperature", "top_p", "n", "stream", "frequency_penalty", "presence_penalty", "stop", "user"]
+    )
+    nulls |= {"ignore_eos": None, "stream_options": {"include_usage": None}, "max_completion_tokens": None}
+    body = {"model": MODEL, "max_tokens": 6, "seed": 3, **NULLABLE[path]}
+    r = httpx.post(f"{server.base_url}{path}", json={**body, **nulls}, timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.headers["content-type"].startswith("application/json")  # stream: null is not streaming
+    (choice,) = r.json()["choices"]  # n: null is one choice
+    default = httpx.post(f"{server.base_url}{path}", json=body, timeout=60).json()["choices"][0]
+    assert choice == default  # same seed, same defaults (temperature 1, top_p 1): the same sample
+
+
+def test_openai_client_none_is_accepted(client):
+    r = client.completions.create(
+        model=MODEL, prompt="Hello", max_tokens=3, temperature=None, top_p=None, n=None, stream=None
+    )
+    assert len(r.choices) == 1 and r.usage.completion_tokens <= 3
 
 
 def test_models_health_and_metrics(client, server):

@@ -59,6 +59,12 @@ def test_api_keys_401_and_tenant_from_the_key(tiny_model, caplog):
             assert httpx.get(f"{srv.base_url}/models", headers=headers).status_code == 401
         with pytest.raises(openai.AuthenticationError):
             srv.client(api_key="wrong").models.list()
+        # metrics labels name tenants: a valid key (Bearer) is needed to read them
+        for headers in ({}, {"Authorization": "Bearer wrong"}):
+            error_of(httpx.get(f"{srv.url}/metrics", headers=headers), 401)
+        r = httpx.get(f"{srv.url}/metrics", headers={"Authorization": "Bearer key-bob"})
+        assert r.status_code == 200 and "kvfence_requests_total" in r.text
+        assert httpx.get(f"{srv.url}/health").status_code == 200  # probes need no key
         with caplog.at_level(logging.INFO, logger="kvfence.requests"):
             # `user` names bob; the key is alice's: the tenant is alice (I7)
             srv.client(api_key="key-alice").completions.create(
@@ -69,6 +75,7 @@ def test_api_keys_401_and_tenant_from_the_key(tiny_model, caplog):
         assert srv.metric("kvfence_requests_total", outcome="finished", reason="length", tenant="bob") == 0
         (line,) = [json.loads(r.getMessage()) for r in caplog.records if r.name == "kvfence.requests"]
         assert line["tenant"] == "alice" and line["integrity"] == "ok" and line["pages_checked"] > 0
+        assert line["user"] == "bob"  # logged as the client's label, apart from the tenant
         srv.assert_pool_clean()
 
 
@@ -80,7 +87,8 @@ def test_unknown_model_is_404(server):
         server.client().completions.create(model="gpt-9", prompt="hi", max_tokens=2)
     assert e.value.code == "model_not_found" and e.value.param == "model"
     error_of(httpx.get(f"{server.url}/v1/nothing-here"), 404)
-    error_of(httpx.get(f"{server.base_url}/completions"), 405)
+    r = httpx.get(f"{server.base_url}/completions")
+    assert error_of(r, 405)["code"] == "method_not_allowed" and r.headers["allow"] == "POST"
 
 
 # ---- 400: parameters and malformed bodies ------------------------------------------------------------------
@@ -115,6 +123,9 @@ BAD_PARAMS = [
     (C, {"echo": True}, "echo"),
     (C, {"frequency_penalty": 0.5}, "frequency_penalty"),
     (C, {"model": None}, "model"),
+    (C, {"prompt": None}, "prompt"),
+    (CHAT, {"messages": None}, "messages"),
+    (CHAT, {"messages": [{"role": None, "content": "x"}]}, "messages[0].role"),
     (CHAT, {"messages": []}, "messages"),
     (CHAT, {"messages": "hi"}, "messages"),
     (CHAT, {"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role"),
@@ -174,10 +185,11 @@ def test_context_length_exceeded_touches_no_page(server, tiny_model):
     before = lease_state(server)
     body = {**BASE[C], "prompt": long_prompt(tiny_model, 200), "max_tokens": 100}
     err = error_of(post(server, C, body), 400)
-    assert err["code"] == "context_length_exceeded"
+    assert (err["code"], err["param"]) == ("context_length_exceeded", "prompt")  # completions: `prompt`
     assert "256" in str(err["message"]) and "300" in str(err["message"])  # the limit and what was asked
+    assert "pool" not in str(err["message"])  # the pool (1024 tokens) is not the limit here
     err = error_of(post(server, C, {**BASE[C], "max_tokens": 10**18}), 400)
-    assert err["code"] == "context_length_exceeded"
+    assert (err["code"], err["param"]) == ("context_length_exceeded", "prompt")
     text = "hello " * 400
     with pytest.raises(openai.BadRequestError) as e:
         server.client().chat.completions.create(
@@ -194,8 +206,18 @@ def test_pool_smaller_than_context_rejects_at_admission(tiny_model):
         before = lease_state(srv)
         body = {**BASE[C], "prompt": long_prompt(tiny_model, 40), "max_tokens": 40}
         err = error_of(post(srv, C, body), 400)
-        assert err["code"] == "context_length_exceeded"
+        assert (err["code"], err["param"]) == ("context_length_exceeded", "prompt")
+        # over the pool, under the context: both limits
         assert "KV pool holds only 16 pages (64 tokens)" in str(err["message"])
+        assert "context length of 256 tokens" in str(err["message"])
+        # over the context too: still both, the pool being the smaller
+        err = error_of(post(srv, C, {**body, "prompt": long_prompt(tiny_model, 200), "max_tokens": 100}), 400)
+        assert "maximum context length is 256 tokens" in str(err["message"])
+        assert "KV pool holds only 64 tokens" in str(err["message"]) and "300 tokens" in str(err["message"])
+        chat = {**BASE[CHAT], "messages": [{"role": "user", "content": "hello " * 100}], "max_tokens": 5}
+        err = error_of(post(srv, CHAT, chat), 400)
+        assert (err["code"], err["param"]) == ("context_length_exceeded", "messages")
+        assert "64" in str(err["message"]) and "256" in str(err["message"])
         assert lease_state(srv) == before
         ok = post(srv, C, {**body, "max_tokens": 20})  # 60 tokens: fits
         assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] <= 20
@@ -223,6 +245,12 @@ def test_oversized_body_is_413(server):
 
 def test_queue_full_is_503_with_retry_after(tiny_model):
     with running_server(tiny_model, max_queue=2) as srv:
+        # prompts x n over the whole queue can never be queued: a 400 naming n, not a 503 to retry forever
+        err = error_of(post(srv, C, {**BASE[C], "n": 3}), 400)
+        assert (err["param"], err["code"]) == ("n", "invalid_value") and "at most 2" in str(err["message"])
+        err = error_of(post(srv, C, {**BASE[C], "prompt": ["a", "b", "c"]}), 400)
+        assert err["param"] == "n"
+        assert post(srv, C, {**BASE[C], "n": 2}).status_code == 200
         entered, gate = threading.Event(), threading.Event()
         blocker = threading.Thread(target=srv.between_steps, args=(lambda: (entered.set(), gate.wait(60)),))
         blocker.start()
@@ -308,3 +336,35 @@ def test_integrity_failure_in_a_stream_is_an_error_event_without_done(faulty, ti
     create = client.completions.create if path == C else client.chat.completions.create
     with pytest.raises(openai.APIError, match="integrity"):
         list(create(**{k: v for k, v in body.items()}))
+
+
+def integrity_lines(caplog) -> list[dict[str, object]]:
+    lines = [json.loads(r.getMessage()) for r in caplog.records if r.name == "kvfence.requests"]
+    return [line for line in lines if line["outcome"] != "rejected"]
+
+
+def test_one_failed_choice_fails_the_whole_response(faulty, caplog):
+    """n > 1, not streamed: one choice fails I1, the answer is a 500 with no text from any choice."""
+    body = {**BASE[C], "prompt": "Hello world", "max_tokens": 6, "n": 3, "ignore_eos": True, "temperature": 0}
+    ok = post(faulty, C, body).json()["choices"]
+    assert all(c["text"] for c in ok)  # without the fault every choice has text
+    arm(faulty, "drop_write")  # fires once: one choice is the victim, its siblings are healthy
+    with caplog.at_level(logging.INFO, logger="kvfence.requests"):
+        r = post(faulty, C, body)
+        faulty.wait_idle()
+    assert set(r.json()) == {"error"} and error_of(r, 500)["code"] == "kv_integrity_error"
+    lines = integrity_lines(caplog)
+    (failed,) = [line for line in lines if line["outcome"] == "failed"]
+    assert (failed["reason"], failed["integrity"]) == ("kv_integrity_error", "failed")
+    assert len(lines) == 3 and all(line["integrity"] != "failed" for line in lines if line is not failed)
+
+
+def test_one_failed_choice_fails_the_whole_stream(faulty):
+    body = {**BASE[CHAT], "max_tokens": 6, "n": 2, "stream": True, "ignore_eos": True}
+    arm(faulty, "drop_write")
+    with httpx.stream("POST", f"{faulty.base_url}{CHAT}", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        events = [line for line in r.iter_lines() if line]
+    assert "data: [DONE]" not in events
+    assert json.loads(events[-1][6:])["error"]["code"] == "kv_integrity_error"
+    assert all("error" not in json.loads(e[6:]) for e in events[:-1])  # exactly one error event, last

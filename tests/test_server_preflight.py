@@ -70,6 +70,19 @@ def test_a_lower_requested_context_can_fit(cfg):
     assert big.context_length == 100  # never above what the model was trained for
 
 
+@pytest.mark.parametrize(
+    ("kw", "needle"),
+    [
+        ({"context_length": 0}, "at least 1"),
+        ({"context_length": -5}, "at least 1"),
+        ({"num_pages": 0}, "page"),
+    ],
+)
+def test_sizes_that_describe_nothing_are_refused(cfg, kw, needle):
+    with pytest.raises(ValueError, match=needle):
+        preflight(cfg, **{"dtype": "float32", "num_pages": 10, "page_size": 16, **kw})
+
+
 def test_pool_size_from_memory_without_allocating(cfg):
     # 1 MiB at 512 bytes/token in f32 = 2048 tokens = 128 pages of 16
     r = preflight_config(cfg, EngineConfig(model="x", kv_cache_memory=1 / 1024, page_size=16))
@@ -87,6 +100,27 @@ def test_preflight_command(tiny_dir, capsys):
     assert "context length  128" in capsys.readouterr().out
     assert main([*args, "--allow-undersized-pool"]) == 0
     assert main(["preflight", "--model", str(tiny_dir), "--kv-pages", "16", "--page-size", "16"]) == 0
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--context-length", "0"], "--context-length must be at least 1, got 0"),
+        (["--context-length", "-5"], "--context-length must be at least 1, got -5"),
+        (["--kv-pages", "0"], "--kv-pages must be at least 1, got 0"),
+        (["--page-size", "12"], "--page-size must be a power of two, got 12"),
+    ],
+)
+@pytest.mark.parametrize("command", ["preflight", "serve"])
+def test_bad_sizes_are_refused_before_loading(tiny_dir, capsys, command, flags, message):
+    port = ["--port", "1"] if command == "serve" else []
+    assert main([command, "--model", str(tiny_dir), *flags, *port]) == 2
+    assert f"kvfence {command}: {message}" in capsys.readouterr().err
+
+
+def test_serve_refuses_an_empty_queue(tiny_dir, capsys):
+    assert main(["serve", "--model", str(tiny_dir), "--max-queue", "0", "--port", "1"]) == 2
+    assert "--max-queue must be at least 1, got 0" in capsys.readouterr().err
 
 
 def test_serve_refuses_to_start_with_an_undersized_pool(tiny_dir, capsys):

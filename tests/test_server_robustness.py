@@ -7,6 +7,7 @@ test waits for the server's abort call (an event), not for time to pass.
 from __future__ import annotations
 
 import json
+import logging
 import socket
 import threading
 from collections.abc import Iterator
@@ -99,6 +100,29 @@ def test_disconnect_while_waiting_for_a_non_streamed_answer(server, monkeypatch)
         assert aborted.wait(TIMEOUT)
     server.wait_idle()
     assert aborted_count(server) == before + 1
+    server.assert_pool_clean()
+
+
+def test_disconnect_mid_body_is_an_abort_not_a_server_error(server, monkeypatch, caplog):
+    gone = threading.Event()
+    real = server.metrics.on_client_gone
+
+    def on_client_gone(tenant: str) -> None:
+        real(tenant)
+        gone.set()
+
+    monkeypatch.setattr(server.metrics, "on_client_gone", on_client_gone)
+    host, port = server.url.removeprefix("http://").split(":")
+    with caplog.at_level(logging.INFO):
+        sock = socket.create_connection((host, int(port)), timeout=TIMEOUT)
+        head = "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n"
+        sock.sendall(head.encode() + b'{"model": "tiny", "pro')  # then leaves, 978 bytes short
+        sock.close()
+        assert gone.wait(TIMEOUT), "the disconnect was not counted"
+    assert server.metric(
+        "kvfence_requests_total", outcome="aborted", reason="client_disconnect", tenant="anonymous"
+    )
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]  # no stack trace, no 500
     server.assert_pool_clean()
 
 
@@ -207,8 +231,8 @@ def test_after_the_fuzz_the_pool_is_whole(server):
     server.assert_pool_clean()
 
 
-def test_a_crashed_engine_loop_fails_requests_loudly(tiny_model):
-    with running_server(tiny_model) as srv:
+def test_a_crashed_engine_loop_fails_requests_loudly(tiny_model, caplog):
+    with running_server(tiny_model) as srv, caplog.at_level(logging.INFO, logger="kvfence.requests"):
 
         def broken_step():
             raise RuntimeError("scheduler bug")
@@ -218,6 +242,15 @@ def test_a_crashed_engine_loop_fails_requests_loudly(tiny_model):
         r = httpx.post(f"{srv.base_url}/completions", json=body, timeout=TIMEOUT)
         assert r.status_code == 503 and r.json()["error"]["code"] == "engine_unavailable"
         assert "scheduler bug" in r.json()["error"]["message"]
+        # the killed request is counted and logged as failed, like any other that ends
+        labels = {"outcome": "failed", "reason": "engine_unavailable", "tenant": "anonymous"}
+        assert srv.metric("kvfence_requests_total", **labels) == 1
+        (line,) = [json.loads(r.getMessage()) for r in caplog.records if r.name == "kvfence.requests"]
+        assert (line["outcome"], line["reason"], line["completion_tokens"]) == (
+            "failed",
+            "engine_unavailable",
+            0,
+        )
         assert httpx.get(f"{srv.url}/health").status_code == 503
         r = httpx.post(f"{srv.base_url}/completions", json={**body, "stream": True}, timeout=TIMEOUT)
         assert r.status_code == 503

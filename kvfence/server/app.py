@@ -2,7 +2,9 @@
 
 Boundary: HTTP in, HTTP out. Each route authenticates (the tenant comes from the API key, I7), reads the body
 under a size limit (413 on Content-Length and again while reading), validates it (400 naming the parameter)
-and hands it to `Serving`. The app's lifespan starts and stops the engine thread.
+and hands it to `Serving`. A client that disconnects before its body is complete is counted as aborted. The
+app's lifespan starts and stops the engine thread. With API keys configured, every route but /health needs a
+key: /metrics too, since its labels name tenants.
 
 Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health, GET /metrics.
 """
@@ -16,7 +18,7 @@ from typing import Any, TypeVar
 
 from fastapi import FastAPI
 from pydantic import BaseModel
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 
 from kvfence.server.async_engine import AsyncEngine
@@ -63,6 +65,9 @@ def _generation_routes(
         except OpenAIError as e:
             metrics.on_rejected("-", tenant, e.code or e.type, e.status)
             raise
+        except ClientDisconnect:  # gone mid-body: an abort, not a server error
+            metrics.on_client_gone(tenant)
+            return Response(status_code=499)  # nginx's "client closed request"; nobody is there to read it
         return await endpoint(body, request, tenant)
 
     @app.post("/v1/completions")
@@ -98,7 +103,8 @@ def _info_routes(
         return JSONResponse({"status": "unavailable"}, status_code=503)
 
     @app.get("/metrics")
-    async def metrics_endpoint() -> Response:
+    async def metrics_endpoint(request: Request) -> Response:
+        auth.tenant(request.headers.get("authorization"))  # 401 without a valid key when keys are configured
         snapshot = await engine.run_between_steps(engine.snapshot) if engine.healthy else None
         return Response(metrics.render(snapshot), media_type=CONTENT_TYPE)
 

@@ -29,9 +29,11 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
 from kvfence.engine.admission import admit
+from kvfence.engine.errors import TooManyChoices
 from kvfence.engine.llm_engine import LLMEngine
 from kvfence.engine.output import RequestOutput
 from kvfence.engine.request import Request, SamplingParams
+from kvfence.ids import RequestId
 from kvfence.kv.pool import PoolStats
 
 log = logging.getLogger("kvfence.server")
@@ -60,7 +62,8 @@ class EngineSnapshot:
 
 @dataclass(frozen=True, slots=True)
 class RequestEnd:
-    """What an observer learns when one engine request ends (called on the engine thread)."""
+    """What an observer learns when one engine request ends (called on the engine thread, or on the thread
+    that calls `stop` for requests still live at shutdown)."""
 
     request_id: str
     tenant: str
@@ -68,6 +71,7 @@ class RequestEnd:
     num_pages_checked: int
     ttft_s: float | None
     duration_s: float
+    user: str | None = None  # the client's `user` field: logged, never trusted (the tenant is from the key)
 
 
 class Observer(Protocol):
@@ -117,6 +121,9 @@ class _Tracked:
     index: int
     request: Request
     submitted: float
+    user: str | None
+    num_prompt_tokens: int
+    num_output_tokens: int = 0  # as of its last output: what a request killed by `_fail_all` had made
     first: float | None = None
     last: float | None = None
 
@@ -170,6 +177,7 @@ class AsyncEngine:
         params: Sequence[SamplingParams],
         request_id: str,
         tenant: str,
+        user: str | None = None,
     ) -> Submission:
         """Admit and queue one engine request per prompt; raises `AdmissionError` (nothing queued or
         allocated), `QueueFull` or `EngineUnavailable`. Must be called from a running event loop."""
@@ -177,6 +185,8 @@ class AsyncEngine:
         assert len(prompts) == len(params) and prompts
         for prompt, p in zip(prompts, params, strict=True):
             admit(len(prompt), p, self.engine.limits)  # I5, pure: all of them before any is queued
+        if self.max_queue is not None and len(prompts) > self.max_queue:
+            raise TooManyChoices(len(prompts), self.max_queue)  # would wait for room forever: not retryable
         ids = [f"{request_id}-{i}" for i in range(len(prompts))]
         submission = Submission(self, loop, ids)
         with self._cond:  # held while adding, so the engine thread cannot deliver an output we do not track
@@ -188,7 +198,7 @@ class AsyncEngine:
                 except BaseException:
                     self._untrack(ids[:i])
                     raise
-                self._tracked[ids[i]] = _Tracked(submission, i, request, now)
+                self._tracked[ids[i]] = _Tracked(submission, i, request, now, user, len(prompt))
             self._num_new += len(prompts)
             self._cond.notify_all()
         return submission
@@ -303,6 +313,7 @@ class AsyncEngine:
                 if out.new_token_ids:
                     timings.append((t.first is None, now - (t.last or t.submitted)))
                     t.first, t.last = t.first or now, now
+                t.num_output_tokens = out.num_output_tokens
                 if out.finished:
                     del self._tracked[out.request_id]
                     ended.append((t, out))
@@ -329,6 +340,7 @@ class AsyncEngine:
                         t.request.num_pages_checked,
                         ttft,
                         now - t.submitted,
+                        t.user,
                     )
                 )
         except Exception:  # metrics must never take the engine down
@@ -341,8 +353,26 @@ class AsyncEngine:
             tracked, self._tracked = self._tracked, {}
             calls, self._calls = self._calls, []
             self._cond.notify_all()
+        # observed before the handlers hear of it: each killed request is logged and counted as failed
+        self._observe([], [(t, _unavailable(rid, t)) for rid, t in tracked.items()], time.perf_counter())
         for submission in {t.submission for t in tracked.values()}:
             submission._deliver(error)
         for _, fut in calls:
             if fut.set_running_or_notify_cancel():
                 fut.set_exception(error)
+
+
+def _unavailable(request_id: str, t: _Tracked) -> RequestOutput:
+    """The last output of a request the engine never finished because its loop stopped (crash, shutdown)."""
+    return RequestOutput(
+        request_id=RequestId(request_id),
+        new_token_ids=(),
+        new_text="",
+        finished=True,
+        finish_reason="error",
+        error_code="engine_unavailable",
+        num_prompt_tokens=t.num_prompt_tokens,
+        num_output_tokens=t.num_output_tokens,
+        text="",
+        token_ids=(),
+    )

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Mapping
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -16,7 +17,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from kvfence.engine.errors import AdmissionError
+from kvfence.engine.admission import Limits
+from kvfence.engine.errors import AdmissionError, ContextLengthExceeded, PoolCapacityExceeded
 
 log = logging.getLogger("kvfence.server")
 
@@ -37,11 +39,11 @@ class OpenAIError(Exception):
         type: str = "invalid_request_error",
         param: str | None = None,
         code: str | None = None,
-        headers: dict[str, str] | None = None,
+        headers: Mapping[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
-        self.headers = headers or {}
+        self.headers = dict(headers or {})
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
@@ -58,9 +60,31 @@ def invalid(param: str | None, message: str, code: str | None = "invalid_value")
     return OpenAIError(400, message, param=param, code=code)
 
 
-def from_admission(exc: AdmissionError) -> OpenAIError:
-    """I5 rejections keep the engine's message (it names both limits), code and param."""
-    return OpenAIError(400, str(exc), param=exc.param, code=exc.code)
+def from_admission(
+    exc: AdmissionError, input_param: str | None = None, limits: Limits | None = None
+) -> OpenAIError:
+    """I5 rejections keep the engine's code. `input_param` (`prompt` or `messages`) replaces the engine's
+    guess at which field holds the prompt; with `limits`, a length rejection names both the context length
+    and the KV pool's tokens when the pool is the smaller (`--allow-undersized-pool`)."""
+    param = input_param if input_param is not None and exc.param in ("prompt", "messages") else exc.param
+    return OpenAIError(400, _both_limits(exc, limits), param=param, code=exc.code)
+
+
+def _both_limits(exc: AdmissionError, limits: Limits | None) -> str:
+    if limits is None:
+        return str(exc)
+    pool_tokens = limits.pool_pages * limits.page_size
+    if isinstance(exc, ContextLengthExceeded):
+        return str(
+            ContextLengthExceeded(exc.num_prompt_tokens, exc.max_tokens, exc.context_length, pool_tokens)
+        )
+    if isinstance(exc, PoolCapacityExceeded) and pool_tokens < limits.context_length:
+        return str(
+            PoolCapacityExceeded(
+                exc.num_tokens, exc.num_pages, exc.pool_pages, exc.page_size, limits.context_length
+            )
+        )
+    return str(exc)
 
 
 def integrity_error() -> OpenAIError:
@@ -116,7 +140,7 @@ def install_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
-        return OpenAIError(exc.status_code, str(exc.detail), code=code).response()
+        return OpenAIError(exc.status_code, str(exc.detail), code=code, headers=exc.headers).response()
 
     @app.exception_handler(Exception)
     async def _internal(_: Request, exc: Exception) -> JSONResponse:

@@ -45,6 +45,20 @@ def add_server_args(p: argparse.ArgumentParser, serving: bool) -> None:
     p.add_argument("--max-body-bytes", type=int, default=4 << 20, help="largest request body accepted")
 
 
+def size_problem(args: argparse.Namespace) -> str | None:
+    """What is wrong with the size arguments, checked before anything loads: a context or a pool of no
+    tokens would otherwise be ignored (`--context-length 0`) or fail deep in the preflight."""
+    if args.context_length is not None and args.context_length < 1:
+        return f"--context-length must be at least 1, got {args.context_length}"
+    if args.kv_pages is not None and args.kv_pages < 1:
+        return f"--kv-pages must be at least 1, got {args.kv_pages}"
+    if args.page_size < 1 or args.page_size & (args.page_size - 1):
+        return f"--page-size must be a power of two, got {args.page_size}"
+    if getattr(args, "max_queue", 1) < 1:
+        return f"--max-queue must be at least 1, got {args.max_queue}"
+    return None
+
+
 def run_preflight(config: EngineConfig, args: argparse.Namespace) -> tuple[PreflightReport, LoadedModel]:
     """Load the model (not the KV pool) and size-check the configuration; prints the summary."""
     from kvfence.model.loader import load_model
@@ -60,6 +74,9 @@ def run_preflight(config: EngineConfig, args: argparse.Namespace) -> tuple[Prefl
 def cmd_preflight(args: argparse.Namespace) -> int:
     from kvfence.cli import engine_config_from_args
 
+    if problem := size_problem(args):
+        print(f"kvfence preflight: {problem}", file=sys.stderr)
+        return 2
     try:
         report, _ = run_preflight(engine_config_from_args(args), args)
     except ValueError as e:
@@ -79,6 +96,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from kvfence.server.metrics import ServerMetrics
     from kvfence.server.serving import ServerSettings
 
+    if problem := size_problem(args):
+        print(f"kvfence serve: {problem}", file=sys.stderr)
+        return 2
     if getattr(args, "mode", "colocated") == "pd":
         from kvfence.pd.serve import cmd_serve_pd
 

@@ -5,8 +5,9 @@ the engine thread; prometheus-client is thread-safe) and counts rejections repor
 gauges (running, waiting, KV pages, integrity counters) come from an `EngineSnapshot` taken between steps at
 scrape time, so they are consistent with each other.
 
-Log line (logger `kvfence.requests`, JSON): request id, tenant, outcome, reason, token counts, pages checked
-by I1 over the request's life and the integrity result (`ok`, `failed`, or `unchecked` when it never ran).
+Log line (logger `kvfence.requests`, JSON): request id, tenant, the client's `user` field (a label the client
+chose, kept apart from the authenticated tenant), outcome, reason, token counts, pages checked by I1 over the
+request's life and the integrity result (`ok`, `failed`, or `unchecked` when it never ran).
 """
 
 from __future__ import annotations
@@ -86,6 +87,7 @@ class ServerMetrics:
         _log(
             request_id=end.request_id,
             tenant=end.tenant,
+            user=end.user,
             outcome=outcome,
             reason=reason,
             prompt_tokens=out.num_prompt_tokens,
@@ -98,12 +100,21 @@ class ServerMetrics:
 
     # ---- the HTTP layer ---------------------------------------------------------------------------------
 
-    def on_rejected(self, request_id: str, tenant: str, reason: str, status: int) -> None:
+    def on_rejected(
+        self, request_id: str, tenant: str, reason: str, status: int, user: str | None = None
+    ) -> None:
         """A request refused before reaching the engine (admission, queue full, bad parameters)."""
         self.requests.labels("rejected", reason, tenant).inc()
         if status == 400:
             self.rejections.labels(reason).inc()
-        _log(request_id=request_id, tenant=tenant, outcome="rejected", reason=reason, status=status)
+        _log(
+            request_id=request_id, tenant=tenant, user=user, outcome="rejected", reason=reason, status=status
+        )
+
+    def on_client_gone(self, tenant: str) -> None:
+        """A client that disconnected before it had sent its whole body: aborted, nothing reached the engine."""
+        self.requests.labels("aborted", "client_disconnect", tenant).inc()
+        _log(request_id="-", tenant=tenant, outcome="aborted", reason="client_disconnect")
 
     def render(self, snapshot: EngineSnapshot | None) -> bytes:
         self._engine.snapshot = snapshot

@@ -83,8 +83,13 @@ def preflight(
     clamp: bool = False,
     allow_undersized: bool = False,
 ) -> PreflightReport:
-    """Size check of a pool of `num_pages` x `page_size` tokens against the advertised context length."""
-    requested = min(context_length or model.context_length, model.context_length)
+    """Size check of a pool of `num_pages` x `page_size` tokens against the advertised context length.
+    Raises ValueError for sizes that describe no context or no pool."""
+    if context_length is not None and context_length < 1:
+        raise ValueError(f"context length must be at least 1, got {context_length}")
+    if num_pages < 1 or page_size < 1 or page_size & (page_size - 1):
+        raise ValueError(f"need at least one page of a power-of-two size, got {num_pages} x {page_size}")
+    requested = model.context_length if context_length is None else min(context_length, model.context_length)
     pool_tokens = num_pages * page_size
     pool_bytes = pool_tokens * model.kv_bytes_per_token(DTYPE_BYTES[dtype])
     fits = num_pages // _pages_for(requested, page_size)

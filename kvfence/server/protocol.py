@@ -1,8 +1,10 @@
 """OpenAI request bodies as pydantic v2 models, and their translation to engine `SamplingParams`.
 
 Boundary: validation only. Anything malformed becomes a 400 `OpenAIError` naming the offending parameter; no
-field here can name a tenant (I7: `user` is recorded, never trusted). Limits that protect the server (number
-of stop strings, n, prompts per request) are enforced here, before tokenization.
+field here can name a tenant (I7: `user` is logged, never trusted). An optional parameter sent as JSON `null`
+means "not given" and takes its default, as OpenAI's API allows (its client sends `temperature=None` as null).
+Limits that protect the server (number of stop strings, n, prompts per request) are enforced here, before
+tokenization.
 
 Default `max_tokens` when the client sends none (documented in docs/server.md):
   - chat: everything left, `capacity - prompt tokens`, as vLLM does;
@@ -13,9 +15,9 @@ where capacity is the smaller of the context length and the KV pool's tokens.
 from __future__ import annotations
 
 import json
-from typing import Annotated, Literal, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from kvfence.engine.admission import Limits
 from kvfence.engine.errors import InvalidSamplingParams
@@ -42,6 +44,16 @@ M = TypeVar("M", bound=BaseModel)
 
 class _Strict(BaseModel):
     model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="ignore")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_default(cls, data: Any) -> Any:
+        """`null` for an optional field means the default (fields keep their plain types: no None reaches
+        the engine). A required field sent as null stays an error."""
+        if not isinstance(data, dict):
+            return data
+        optional = {name for name, f in cls.model_fields.items() if not f.is_required()}
+        return {k: v for k, v in data.items() if v is not None or k not in optional}
 
 
 class StreamOptions(_Strict):

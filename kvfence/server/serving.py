@@ -93,7 +93,7 @@ class Serving:
 
     async def completions(self, body: CompletionRequest, http: HTTPRequest, tenant: str) -> Response:
         rid = f"cmpl-{uuid.uuid4().hex}"
-        with self._rejections(rid, tenant):
+        with self._rejections(rid, tenant, body.user):
             self.check_model(body.model)
             prompts = await asyncio.to_thread(self._tokenize, body.prompts())
             job = self._submit(body, prompts, rid, tenant)
@@ -108,7 +108,7 @@ class Serving:
 
     async def chat(self, body: ChatCompletionRequest, http: HTTPRequest, tenant: str) -> Response:
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        with self._rejections(rid, tenant):
+        with self._rejections(rid, tenant, body.user):
             self.check_model(body.model)
             check_chat_options(body)
             prompt = await asyncio.to_thread(self._render_chat, body.chat_messages())
@@ -128,8 +128,8 @@ class Serving:
 
     # ---- before the engine ----------------------------------------------------------------------------
 
-    def _rejections(self, rid: str, tenant: str) -> _RecordRejections:
-        return _RecordRejections(self.metrics, rid, tenant)
+    def _rejections(self, rid: str, tenant: str, user: str | None) -> _RecordRejections:
+        return _RecordRejections(self.metrics, rid, tenant, user)
 
     def _tokenize(self, prompts: list[str | list[int]]) -> list[list[int]]:
         """Runs in a worker thread: a 4 MiB prompt must not stall the event loop."""
@@ -155,10 +155,11 @@ class Serving:
         limits = self.engine.engine.limits
         expanded = [ids for ids in prompts for _ in range(body.n)]
         params = [sampling_params(body, len(ids), limits, j) for ids in prompts for j in range(body.n)]
+        input_param = "messages" if isinstance(body, ChatCompletionRequest) else "prompt"
         try:
-            submission = self.engine.submit(expanded, params, rid, tenant)
+            submission = self.engine.submit(expanded, params, rid, tenant, user=body.user)
         except AdmissionError as e:
-            raise from_admission(e) from e
+            raise from_admission(e, input_param, limits) from e
         except QueueFull as e:
             raise overloaded(self.settings.retry_after_s, str(e)) from e
         except EngineUnavailable as e:
@@ -276,15 +277,15 @@ async def error_terminated(stream: AsyncIterator[str]) -> AsyncIterator[str]:
 class _RecordRejections:
     """Context manager: an `OpenAIError` raised before submission counts as a rejection (metrics + log)."""
 
-    def __init__(self, metrics: ServerMetrics, rid: str, tenant: str) -> None:
-        self.metrics, self.rid, self.tenant = metrics, rid, tenant
+    def __init__(self, metrics: ServerMetrics, rid: str, tenant: str, user: str | None) -> None:
+        self.metrics, self.rid, self.tenant, self.user = metrics, rid, tenant, user
 
     def __enter__(self) -> None:
         return None
 
     def __exit__(self, _t: object, exc: BaseException | None, _tb: object) -> None:
         if isinstance(exc, OpenAIError):
-            self.metrics.on_rejected(self.rid, self.tenant, exc.code or exc.type, exc.status)
+            self.metrics.on_rejected(self.rid, self.tenant, exc.code or exc.type, exc.status, user=self.user)
 
 
 async def _abort_on_disconnect(http: HTTPRequest, submission: Submission) -> None:
