@@ -83,6 +83,7 @@ class Router:
         self._rr = itertools.count()
         self._tids = itertools.count((int.from_bytes(os.urandom(3), "little") << 40) + 1)
         self._last_tid = 0
+        self._last_ping = 0.0
         self._running = True
         self._thread = threading.Thread(target=self._loop, name="kvfence-router", daemon=True)
         self._thread.start()
@@ -141,7 +142,8 @@ class Router:
 
         self._post(stop)
         self._thread.join(timeout=10)
-        for sock in (self.socket, self._wake_rx, self._wake_tx):
+        self.socket.close(linger=1000)  # let the shutdown messages reach the workers
+        for sock in (self._wake_rx, self._wake_tx):
             sock.close(0)
 
     def _post(self, fn: Callable[[], None]) -> None:
@@ -167,6 +169,7 @@ class Router:
                         self.workers[identity].last_seen = time.monotonic()
                     self._on_message(identity, control.unpack(frame))
             self._reap_dead_workers()
+            self._ping_workers()
 
     def _on_message(self, identity: bytes, msg: dict[str, Any]) -> None:
         op = msg["op"]
@@ -184,6 +187,15 @@ class Router:
             self.workers[identity].pool_free = msg.get("pool_free")
         elif op == "error":
             self._on_error(identity, RequestId(msg["request_id"]), msg["code"])
+
+    def _ping_workers(self) -> None:
+        """Workers exit when their router goes silent, so a router killed with -9 leaves no orphans behind."""
+        now = time.monotonic()
+        if now - self._last_ping < self.dead_after_s / 3:
+            return
+        self._last_ping = now
+        for identity in self.workers:
+            self.socket.send_multipart([identity, control.pack("ping")])
 
     def _reap_dead_workers(self) -> None:
         """A worker that went silent is gone: its requests fail (503 to clients), the surviving side of each is

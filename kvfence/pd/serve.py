@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
+import signal
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -40,6 +41,7 @@ def add_router_command(sub: argparse._SubParsersAction) -> None:  # type: ignore
 
 
 def cmd_router(args: argparse.Namespace) -> int:
+    _exit_on_sigterm()
     router = Router(bind=args.bind)
     print(f"kvfence router: workers connect to {router.addr}", flush=True)
     try:
@@ -51,7 +53,14 @@ def cmd_router(args: argparse.Namespace) -> int:
         router.shutdown()
 
 
+def _exit_on_sigterm() -> None:
+    """uvicorn re-raises the SIGTERM it caught once it has shut down; turn it into SystemExit so our `finally`
+    blocks still stop the workers (a router killed with -9 is covered by the workers' own silence timeout)."""
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+
+
 def cmd_serve_pd(args: argparse.Namespace) -> int:
+    _exit_on_sigterm()
     router = Router(bind="tcp://127.0.0.1:0")
     with _workers(router, args) as procs:
         for _ in range(REGISTRATION_TIMEOUT_S):

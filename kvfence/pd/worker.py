@@ -35,6 +35,7 @@ from kvfence.pd.sender import Action, ReleaseLocal, SendAbort, SendFinal, SendFr
 log = logging.getLogger("kvfence.pd.worker")
 IDLE_POLL_MS = 50
 HEARTBEAT_S = 0.5  # the router declares a worker dead after several missed heartbeats
+ROUTER_SILENCE_S = 15.0  # a registered worker whose router has said nothing for this long exits
 
 
 def fingerprint(engine: LLMEngine) -> dict[str, Any]:
@@ -65,14 +66,21 @@ class Worker:
         self.poller.register(self.control, zmq.POLLIN)
         self.data_addr = ""
         self.running = True
+        self.registered = False
+        self.last_router_msg = time.monotonic()
 
     def serve(self) -> None:
         self.send_control(
             "register", role=self.role, fingerprint=fingerprint(self.engine), data_addr=self.data_addr,
             pid=os.getpid(),
         )  # fmt: skip
-        last_beat = time.monotonic()
+        last_beat = self.last_router_msg = time.monotonic()
         while self.running:
+            if self.registered and time.monotonic() - self.last_router_msg > ROUTER_SILENCE_S:
+                log.error(
+                    "%s worker: the router has been silent for %.0f s; exiting", self.role, ROUTER_SILENCE_S
+                )
+                break
             if time.monotonic() - last_beat >= HEARTBEAT_S:
                 stats = self.engine.pool.stats()
                 self.send_control("heartbeat", pool_free=stats.num_free, pool_total=stats.num_pages)
@@ -93,6 +101,7 @@ class Worker:
             except zmq.Again:
                 return
             if sock is self.control:
+                self.last_router_msg = time.monotonic()
                 self.on_control(control.unpack(frames[0]))
             else:
                 self.on_data(sock, frames)
@@ -106,7 +115,9 @@ class Worker:
             self.running = False
         elif op == "abort":
             self.on_abort(RequestId(msg["request_id"]))
-        elif op != "registered":
+        elif op == "registered":
+            self.registered = True
+        elif op != "ping":
             self.on_request(msg)
 
     def send_control(self, op: str, **body: Any) -> None:
