@@ -56,7 +56,7 @@ class _Routed:
 class Router:
     bind: str = "tcp://127.0.0.1:0"
     ctx: zmq.Context[Any] = field(default_factory=zmq.Context.instance)
-    dead_after_s: float = 3.0  # no message (heartbeats included) for this long: the worker is gone
+    dead_after_s: float = 5.0  # no heartbeat for this long: the worker is gone
     faults: Faults = field(default_factory=Faults)
 
     def __post_init__(self) -> None:
@@ -183,10 +183,23 @@ class Router:
                 routed.on_output(out)
                 if out.finished:
                     self._routed.pop(out.request_id, None)
-        elif op == "heartbeat" and identity in self.workers:
-            self.workers[identity].pool_free = msg.get("pool_free")
+        elif op == "heartbeat":
+            self._on_heartbeat(msg)
         elif op == "error":
             self._on_error(identity, RequestId(msg["request_id"]), msg["code"])
+
+    def _on_heartbeat(self, msg: dict[str, Any]) -> None:
+        """Heartbeats come from each worker's own heartbeat socket and name the worker's control identity."""
+        try:
+            identity = bytes.fromhex(msg["worker"])
+        except (KeyError, TypeError, ValueError):
+            return
+        worker = self.workers.get(identity)
+        if worker is None:  # alive after all (or the router restarted): ask it to register again
+            self.socket.send_multipart([identity, control.pack("reregister")])
+            return
+        worker.last_seen = time.monotonic()
+        worker.pool_free = msg.get("pool_free")
 
     def _ping_workers(self) -> None:
         """Workers exit when their router goes silent, so a router killed with -9 leaves no orphans behind."""

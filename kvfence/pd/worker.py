@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
+import uuid
 from dataclasses import dataclass
 from typing import Any
 
@@ -59,9 +61,13 @@ class Worker:
     def __init__(self, engine: LLMEngine, router_addr: str, ctx: zmq.Context[Any] | None = None) -> None:
         self.engine = engine
         self.ctx = ctx or zmq.Context.instance()
+        self.identity = uuid.uuid4().bytes
         self.control = self.ctx.socket(zmq.DEALER)
         self.control.setsockopt(zmq.LINGER, 0)
+        self.control.setsockopt(zmq.IDENTITY, self.identity)
         self.control.connect(router_addr)
+        self.router_addr = router_addr
+        self._pool_free = engine.pool.num_free  # refreshed between steps, read by the heartbeat thread
         self.poller = zmq.Poller()
         self.poller.register(self.control, zmq.POLLIN)
         self.data_addr = ""
@@ -74,25 +80,37 @@ class Worker:
             "register", role=self.role, fingerprint=fingerprint(self.engine), data_addr=self.data_addr,
             pid=os.getpid(),
         )  # fmt: skip
-        last_beat = self.last_router_msg = time.monotonic()
+        self.last_router_msg = time.monotonic()
+        beat = threading.Thread(target=self._heartbeats, name="kvfence-heartbeat", daemon=True)
+        beat.start()
         while self.running:
+            busy = self.engine.has_unfinished()
+            for sock, _ in self.poller.poll(0 if busy else IDLE_POLL_MS):
+                self._drain(sock)  # before the silence check: pings queued during a long step count
             if self.registered and time.monotonic() - self.last_router_msg > ROUTER_SILENCE_S:
                 log.error(
                     "%s worker: the router has been silent for %.0f s; exiting", self.role, ROUTER_SILENCE_S
                 )
                 break
-            if time.monotonic() - last_beat >= HEARTBEAT_S:
-                stats = self.engine.pool.stats()
-                self.send_control("heartbeat", pool_free=stats.num_free, pool_total=stats.num_pages)
-                last_beat = time.monotonic()
-            busy = self.engine.has_unfinished()
-            for sock, _ in self.poller.poll(0 if busy else IDLE_POLL_MS):
-                self._drain(sock)
             if self.engine.has_unfinished():
                 self.on_outputs(self.engine.step())
                 self.after_step()
             self.on_tick()
+            self._pool_free = self.engine.pool.num_free
+        self.running = False
+        beat.join()
         self.close()
+
+    def _heartbeats(self) -> None:
+        """Its own thread and socket, so a long forward step (a 2,000-token prefill) never looks like death."""
+        sock = self.ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(self.router_addr)
+        stop = threading.Event()
+        while self.running and not stop.wait(HEARTBEAT_S):
+            beat = {"worker": self.identity.hex(), "pool_free": self._pool_free}
+            sock.send(control.pack("heartbeat", **beat))
+        sock.close(0)
 
     def _drain(self, sock: zmq.Socket[Any]) -> None:
         while self.running:
@@ -117,6 +135,11 @@ class Worker:
             self.on_abort(RequestId(msg["request_id"]))
         elif op == "registered":
             self.registered = True
+        elif op == "reregister":  # the router dropped us (missed heartbeats, or it restarted): join again
+            self.send_control(
+                "register", role=self.role, fingerprint=fingerprint(self.engine), data_addr=self.data_addr,
+                pid=os.getpid(),
+            )  # fmt: skip
         elif op != "ping":
             self.on_request(msg)
 
