@@ -38,3 +38,16 @@ bench: model
 
 clean:
 	rm -rf $(VENV) *.egg-info
+
+# ---- model checking (issue 5): Spin on verify/transfer.pml, driven by verify/run.py (standard library only) ----
+VERIFY_PY := $(shell command -v $(PY) >/dev/null 2>&1 && echo $(PY) || echo python3)
+
+.PHONY: verify verify-deep
+
+verify:
+	@command -v spin >/dev/null 2>&1 && command -v gcc >/dev/null 2>&1 || (apt-get update && apt-get install -y spin gcc)
+	$(VERIFY_PY) verify/run.py
+
+verify-deep:
+	@command -v spin >/dev/null 2>&1 && command -v gcc >/dev/null 2>&1 || (apt-get update && apt-get install -y spin gcc)
+	$(VERIFY_PY) verify/run.py --deep
