@@ -438,8 +438,8 @@ def ensure_tools(install: bool = True) -> tuple[bool, str]:
 
 _RE = {
     "vector": re.compile(r"State-vector (\d+) byte, depth reached (\d+), errors: (\d+)"),
-    "stored": re.compile(r"^\s*(\d+) states, stored(?: \(([\d.e+]+) visited\))?", re.M),
-    "transitions": re.compile(r"^\s*(\d+) transitions", re.M),
+    "stored": re.compile(r"^\s*([\d.e+]+) states, stored(?: \(([\d.e+]+) visited\))?", re.M),
+    "transitions": re.compile(r"^\s*([\d.e+]+) transitions", re.M),
     "memory": re.compile(r"^\s*([\d.]+)\s+total actual memory usage", re.M),
     "elapsed": re.compile(r"pan: elapsed time ([\d.e+]+) seconds"),
 }
@@ -503,10 +503,10 @@ def _parse(res: Result, out: str) -> None:
     if m := _RE["vector"].search(out):
         res.state_vector, res.depth, res.errors = int(m[1]), int(m[2]), int(m[3])
     if m := _RE["stored"].search(out):
-        res.states = int(m[1])
+        res.states = int(float(m[1]))
         res.visited = float(m[2]) if m[2] else None
     if m := _RE["transitions"].search(out):
-        res.transitions = int(m[1])
+        res.transitions = int(float(m[1]))
     if m := _RE["memory"].search(out):
         res.memory_mb = float(m[1])
     if m := _RE["elapsed"].search(out):
