@@ -136,7 +136,7 @@ def receiver_main(port: int, plan: Plan, page_bytes: int, pool_pages: int, out_q
 
     cache = make_cache(page_bytes, pool_pages)
     pool = PagePool(pool_pages, PAGE_SIZE)
-    receiver = TransferReceiver(pool, LAYOUT, page_bytes)
+    receiver = TransferReceiver(pool, LAYOUT, page_bytes, cache.write_page)
     sock = zmq.Context().socket(zmq.DEALER)
     sock.connect(f"tcp://127.0.0.1:{port}")
     times: dict[tuple[int, int], list[float]] = defaultdict(list)
@@ -152,10 +152,8 @@ def receiver_main(port: int, plan: Plan, page_bytes: int, pool_pages: int, out_q
             laps.lap("recv+decode")
             if isinstance(message, PageFrame):
                 verdict = receiver.on_frame(message)
-                laps.lap("on_frame+digest")
+                laps.lap("on_frame (checks, write_page, xxh3, stamp)")
                 assert isinstance(verdict, Applied), verdict
-                cache.write_page(verdict.lease.page, message.payload)
-                laps.lap("write_page")
                 sock.send_multipart(wire.encode(verdict.ack))
                 laps.lap("ack")
             else:

@@ -30,6 +30,10 @@ class Faults:
     free_on_timeout: int = 0
     # PD router: the next request gets the previous request's transfer id (a metadata collision).
     reuse_transfer_id: int = 0
+    # PD prefill: frames carry pages the request does not hold (stale KV shipped as the request's own).
+    stale_frame: int = 0
+    # PD prefill worker: the process exits abruptly after sending its first page frame (kill -9 mid-transfer).
+    die_mid_transfer: int = 0
 
     def fire(self, name: str) -> bool:
         """Consume one shot of knob `name`; True if the fault should happen now."""

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import random
 
+import pytest
+
 from kvfence.engine.request import SamplingParams
 from kvfence.faults import Faults
 from kvfence.pd.local import LocalPDPair
@@ -63,6 +65,32 @@ def test_placeholder_prefill_fails_the_victim_and_nobody_else(tiny_model):
     assert all(got[k].token_ids == expected[k].token_ids for k in got if k not in failed)
 
 
+@pytest.mark.parametrize("knob", ["placeholder_prefill", "stale_frame"])
+@pytest.mark.parametrize("checks", [True, False])
+def test_prefill_side_faults_fail_the_victim_or_visibly_corrupt_without_checks(tiny_model, knob, checks):
+    """A prefill that ships fewer pages than it claims (the 2026 incident), or a page it does not hold (finding 3
+    of docs/verification.md: caught by the I1 check on the prefill's frame reads). With the checks on, exactly
+    one request fails with `kv_integrity_error` and the rest match the clean run; with every check off
+    (--no-integrity-checks on both sides), the victim decodes from stale pages and nobody notices."""
+    ps = prompts(tiny_model, 4, seed=15)
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    reference = LocalPDPair(make_engine(tiny_model), make_engine(tiny_model))
+    for i, p in enumerate(ps):
+        reference.add_request([*p, *p, *p][:40], params, f"r{i}")
+    expected = run_pair(reference)
+    prefill = make_engine(tiny_model, faults=Faults(**{knob: 1}), integrity_checks=checks)
+    pair = LocalPDPair(prefill, make_engine(tiny_model, integrity_checks=checks))
+    for i, p in enumerate(ps):
+        pair.add_request([*p, *p, *p][:40], params, f"r{i}")
+    got = run_pair(pair)
+    errors = {k: v.error_code for k, v in got.items() if v.error_code}
+    same = [k for k in got if got[k].token_ids == expected[k].token_ids]
+    if checks:
+        assert list(errors.values()) == ["kv_integrity_error"] and len(same) == 3
+    else:
+        assert not errors and len(same) == 3  # one request decoded from pages that were not its own
+
+
 def late_write_scenario(model, rx_checks: bool, engine_checks: bool):
     """Bug 2 of the design brief, with the `free_on_timeout` knob: decode times out tenant A's transfer and frees
     its pages while A's frames are still in flight; tenant B's transfer gets the same pages; A's frames land."""
@@ -70,7 +98,7 @@ def late_write_scenario(model, rx_checks: bool, engine_checks: bool):
     from kvfence.ids import RequestId
     from kvfence.pd.local import layout_fingerprint
     from kvfence.pd.messages import FrameAck, TransferId
-    from kvfence.pd.receiver import Applied, Ready, TransferReceiver
+    from kvfence.pd.receiver import Ready, TransferReceiver
     from kvfence.pd.sender import SendFinal, SendFrames, TransferSender
 
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
@@ -89,6 +117,7 @@ def late_write_scenario(model, rx_checks: bool, engine_checks: bool):
         decode.pool,
         layout,
         decode.runner.cache.page_bytes(),
+        decode.runner.cache.write_page,
         checks=rx_checks,
         faults=Faults(free_on_timeout=1),
     )
@@ -108,9 +137,7 @@ def late_write_scenario(model, rx_checks: bool, engine_checks: bool):
 
     def deliver(frames):
         for f in frames:
-            verdict = rx.on_frame(f)
-            if isinstance(verdict, Applied):
-                decode.runner.cache.write_page(verdict.lease.page, f.payload)
+            rx.on_frame(f)  # validates, writes and stamps (or drops)
 
     decode.expect_transfer(a, params, "A")
     late_frames, _ = frames_and_final("A", 1)  # A's frames are in flight...

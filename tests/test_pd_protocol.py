@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from kvfence.ids import NO_TAG, LeaseId, PageId, RequestId
 from kvfence.kv.pool import PagePool
-from kvfence.pd.messages import Abort, AbortAck, FinalFrame, PageFrame, TransferId
+from kvfence.pd.messages import Abort, AbortAck, FinalFrame, FrameAck, PageFrame, TransferId
 from kvfence.pd.receiver import Applied, Dropped, Failed, Ready, TransferReceiver
 from kvfence.pd.sender import ReleaseLocal, SendAbort, SendFinal, SendFrames, TransferSender
 
@@ -22,8 +22,19 @@ def payload(tid: int, index: int) -> bytes:
     return bytes([tid % 256, index % 256]) * (PAGE_BYTES // 2)
 
 
+class Memory(dict[PageId, bytes]):
+    """The receiver's KV memory: `write_page` stores the payload; `fail_on` makes one write raise."""
+
+    fail_on: PageId | None = None
+
+    def write(self, page: PageId, payload: bytes) -> None:
+        if page == self.fail_on:
+            raise OSError("injected write failure")
+        self[page] = payload
+
+
 def receiver(num_pages: int = 16) -> TransferReceiver:
-    return TransferReceiver(PagePool(num_pages, 4, lease_prefix=9), LAYOUT, PAGE_BYTES)
+    return TransferReceiver(PagePool(num_pages, 4, lease_prefix=9), LAYOUT, PAGE_BYTES, Memory().write)
 
 
 def run_direct(rx: TransferReceiver, tx: TransferSender, window_seen: list[int]) -> Ready | Failed | None:
@@ -162,12 +173,73 @@ def test_abort_from_decode_stops_the_sender():
     assert tx.on_abort(Abort(ticket.transfer_id, "again")) == [SendAbort(AbortAck(ticket.transfer_id))]
 
 
+def test_a_failed_write_revokes_and_never_marks_the_page_written():
+    """Finding 4 of docs/verification.md: the tag and digest are recorded only after the write succeeded."""
+    memory = Memory()
+    rx = TransferReceiver(PagePool(8, 4, lease_prefix=9), LAYOUT, PAGE_BYTES, memory.write)
+    ticket = rx.reserve(TransferId(1), RequestId("r"), 2)
+    tx = TransferSender(ticket, 2, LAYOUT, 8)
+    tx.start()
+    memory.fail_on = ticket.page_ids[1]
+    assert isinstance(rx.on_frame(tx.frame(0, payload(1, 0))), Applied)
+    failed = rx.on_frame(tx.frame(1, payload(1, 1)))
+    assert isinstance(failed, Failed) and failed.reason.startswith("write_failed")
+    assert rx.pool.tag[ticket.page_ids[1]] == NO_TAG and rx.num_active == 0
+    retry = rx.on_frame(tx.frame(1, payload(1, 1)))  # a duplicate of the failed frame is not acked as written
+    assert isinstance(retry, Dropped) and retry.reason == "revoked" and retry.ack is None
+    rx.pool.check_integrity()
+
+
+def test_acks_and_aborts_for_another_transfer_are_ignored():
+    rx = receiver()
+    ticket = rx.reserve(TransferId(1), RequestId("r"), 1)
+    tx = TransferSender(ticket, 1, LAYOUT, 8)
+    tx.start()
+    assert tx.on_ack(FrameAck(TransferId(2), 0)) == [] and tx.on_abort(Abort(TransferId(2), "x")) == []
+    assert tx.state.value == "sending"
+
+
+def test_without_checks_the_sender_ships_what_it_has_and_says_done():
+    """--no-integrity-checks recreates the 2026 incident's sender: 1 page computed, 3 reserved, "done"."""
+    rx = receiver()
+    ticket = rx.reserve(TransferId(1), RequestId("r"), 3)
+    tx = TransferSender(ticket, 1, LAYOUT, 8, checks=False)
+    (send,) = tx.start()
+    assert isinstance(send, SendFrames) and send.indices == (0,)
+    (applied,) = [rx.on_frame(tx.frame(0, payload(1, 0)))]
+    assert isinstance(applied, Applied)
+    final, release = tx.on_ack(applied.ack)
+    assert isinstance(final, SendFinal) and isinstance(release, ReleaseLocal)
+    assert isinstance(rx.on_final(final.final), Failed)  # a checking receiver still refuses it (I3)
+
+
+def test_ended_transfer_ids_stay_refused_beyond_the_remembered_window(monkeypatch):
+    """Finding 5(c): the table of ended ids is bounded; older ids are refused by the per-router floor."""
+    import kvfence.pd.receiver as receiver_module
+
+    monkeypatch.setattr(receiver_module, "ENDED_MEMORY", 4)
+    rx = receiver(64)
+    base = 7 << 40  # one router's prefix
+    for i in range(1, 11):
+        rx.reserve(TransferId(base + i), RequestId(f"r{i}"), 1)
+        assert rx.revoke(TransferId(base + i), "aborted") is not None
+    assert len(rx._ended) == 4
+    for i in range(1, 11):
+        with pytest.raises(ValueError):
+            rx.reserve(TransferId(base + i), RequestId("again"), 1)
+    frame = PageFrame(TransferId(base + 1), 0, PageId(0), LeaseId(1), payload(1, 0))
+    assert rx.on_frame(frame) == Dropped("ended")
+    rx.reserve(TransferId(base + 11), RequestId("next"), 1)  # new ids from the same router still work
+    rx.reserve(TransferId((8 << 40) + 1), RequestId("other-router"), 1)
+
+
 # ---- a seeded lossy network: drops, duplicates, reordering, timeouts ------------------------------------
 
 
 def simulate(seed: int, num_transfers: int, pool_pages: int, p_drop: float, p_dup: float) -> None:
     rng = random.Random(seed)
-    rx = receiver(pool_pages)
+    memory = Memory()
+    rx = TransferReceiver(PagePool(pool_pages, 4, lease_prefix=9), LAYOUT, PAGE_BYTES, memory.write)
     senders: dict[int, TransferSender] = {}
     outcome: dict[int, str] = {}
     wire: list[tuple[str, object]] = []  # (direction, message) in flight, delivered in random order
@@ -218,6 +290,7 @@ def simulate(seed: int, num_transfers: int, pool_pages: int, p_drop: float, p_du
                 verdict = rx.on_frame(msg)
                 if isinstance(verdict, Applied):
                     assert verdict.lease.lease == msg.lease_id == rx.pool.owner[verdict.lease.page]  # I2
+                    assert memory[verdict.lease.page] == msg.payload  # written before it was acknowledged
                     owned_payload[verdict.lease.page] = msg.payload
                 if verdict.ack is not None:
                     send("to_prefill", verdict.ack)

@@ -15,7 +15,8 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections import deque
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -30,7 +31,7 @@ from kvfence.engine.plan import Plan, StepResult
 from kvfence.engine.request import Request, RequestState, SamplingParams
 from kvfence.engine.scheduler import Scheduled, Scheduler, SchedulerConfig
 from kvfence.faults import Faults
-from kvfence.ids import RequestId
+from kvfence.ids import PageId, RequestId
 from kvfence.kv.integrity import ReadSet, Violation, check_reads
 from kvfence.kv.pool import Lease, PagePool, PageState
 from kvfence.model.llama import LlamaForCausalLM
@@ -38,6 +39,7 @@ from kvfence.model.loader import LoadedModel, load_model
 
 log = logging.getLogger("kvfence.engine")
 integrity_log = logging.getLogger("kvfence.integrity")
+RECENT_FAILURES = 32  # integrity failures kept for the KV page map (kvfence/dashboard)
 
 
 @dataclass
@@ -97,6 +99,8 @@ class LLMEngine:
         self._ids = itertools.count()
         self._arrivals = itertools.count()
         self._step_no = 0
+        # the last integrity failures (page, expected and found tag), newest last: read by the KV page map
+        self.recent_integrity_failures: deque[dict[str, object]] = deque(maxlen=RECENT_FAILURES)
 
     # ---- entry points (any thread) ----------------------------------------------------------------------
 
@@ -170,6 +174,28 @@ class LLMEngine:
         self.scheduler.finish(request, RequestState.FINISHED, "transferred")
         self._end(request)
 
+    def read_for_transfer(self, request_id: str, indices: Sequence[int]) -> list[bytes] | Violation:
+        """Prefill side: the K/V bytes of pages `indices` of a handed-off request, for page frames. I1 first: a
+        transfer ships only pages the request still leases and has written (its whole prompt), so a placeholder,
+        a page freed while in use, or a stale page never leaves as if it were the request's (a Violation is
+        logged and returned instead). Engine thread only."""
+        request = self._requests[RequestId(request_id)]
+        assert all(i < self.pool.pages_for(request.num_prompt_tokens) for i in indices)
+        pages = [request.pages[i] for i in indices]
+        if pages and self.faults.fire("stale_frame"):  # pages the request does not hold go out as its own
+            pages = [PageId((p + len(request.pages)) % self.pool.num_pages) for p in pages]
+        if self.integrity_checks:  # every page read here must be leased to the request and written by it
+            leases = [request.leases[i] for i in indices]
+            rs = ReadSet(request.request_id, pages, leases, len(pages) * self.pool.page_size)
+            violations = check_reads(self.pool, [rs])
+            self.stats.integrity_checks += 1
+            if violations:
+                integrity_log.error(json.dumps({**violations[0].as_log(), "tenant": request.tenant}))
+                self._remember_failure(violations[0].as_log(), request.tenant)
+                self.stats.integrity_failures += 1
+                return violations[0]
+        return [self.runner.cache.read_page(p) for p in pages]
+
     def expect_transfer(
         self, prompt_ids: Sequence[int], params: SamplingParams, request_id: str, tenant: str = "anonymous"
     ) -> Request:
@@ -196,11 +222,15 @@ class LLMEngine:
         request.token_ids.append(first_token)
         self.scheduler.adopt(request)
 
-    def fail_transfer(self, request_id: str, code: str) -> RequestOutput | None:
-        """Decode side: the transfer failed or was revoked; the request ends with an error, never decodes."""
+    def fail_transfer(self, request_id: str, code: str, reason: str | None = None) -> RequestOutput | None:
+        """Decode side: the transfer failed or was revoked; the request ends with an error, never decodes.
+        `reason` (the receiver's, e.g. `digest_mismatch`) is kept with an integrity failure for the page map."""
         request = self._requests.get(RequestId(request_id))
         if request is None or request.state.terminal:
             return None
+        if code == "kv_integrity_error":
+            record = {"event": code, "request_id": request.request_id, "kind": "transfer", "reason": reason}
+            self._remember_failure(record, request.tenant)
         return self._fail(request, code)
 
     # ---- the engine loop (one thread) -------------------------------------------------------------------
@@ -305,6 +335,7 @@ class LLMEngine:
             if violation is None:
                 continue
             integrity_log.error(json.dumps({**violation.as_log(), "tenant": s.request.tenant}))
+            self._remember_failure(violation.as_log(), s.request.tenant)
             self.stats.integrity_failures += 1
             failed.append(self._fail(s.request, "kv_integrity_error"))
         return [s for s in scheduled if s.request.request_id not in bad], failed
@@ -322,6 +353,14 @@ class LLMEngine:
         self.outputs.remove(request)
         with self._lock:
             self._live_ids.discard(request.request_id)
+
+    def _remember_failure(self, record: Mapping[str, object], tenant: str) -> None:
+        self.recent_integrity_failures.append({**record, "tenant": tenant, "time": time.time()})
+
+    def live_requests(self) -> list[Request]:
+        """Every request the engine thread knows that has not ended (waiting, running, in a PD transfer), in
+        admission order. Engine thread only; the KV page map reads it between steps."""
+        return list(self._requests.values())
 
     def check_integrity(self, other_holders: Sequence[Lease] = ()) -> None:
         """Pool invariants, plus: the LEASED pages are exactly the pages live requests (and `other_holders`,

@@ -16,10 +16,9 @@ def add_worker_commands(sub: argparse._SubParsersAction) -> None:  # type: ignor
         p.add_argument(
             "--router", required=True, help="the router's control address, e.g. tcp://10.0.0.1:7000"
         )
-        if role == "decode":
-            p.add_argument(
-                "--transfer-timeout", type=float, default=30.0, help="seconds before a KV transfer is revoked"
-            )
+        p.add_argument(
+            "--transfer-timeout", type=float, default=30.0, help="seconds before a KV transfer is given up"
+        )
         if role == "prefill":
             p.add_argument("--data", default="tcp://127.0.0.1:0", help="address to bind the KV data socket")
             p.add_argument(
@@ -47,9 +46,16 @@ def run_worker(args: argparse.Namespace) -> int:
     engine = LLMEngine(config, loaded)
     worker: PrefillWorker | DecodeWorker
     if args.role == "prefill":
-        worker = PrefillWorker(engine, args.router, args.data, window=args.transfer_window)
+        worker = PrefillWorker(
+            engine,
+            args.router,
+            args.data,
+            window=args.transfer_window,
+            transfer_timeout_s=args.transfer_timeout,
+        )
     else:
         worker = DecodeWorker(engine, args.router, transfer_timeout_s=args.transfer_timeout)
+    worker.preflight = report  # shown per worker on the router's page map
     logging.getLogger("kvfence.pd").info("%s worker up, router %s", args.role, args.router)
     worker.serve()
     return 0

@@ -17,16 +17,10 @@ from kvfence.engine.llm_engine import LLMEngine
 from kvfence.engine.output import RequestOutput
 from kvfence.engine.request import Request, SamplingParams
 from kvfence.ids import RequestId
+from kvfence.kv.integrity import Violation
 from kvfence.pd.messages import Abort, AbortAck, FinalFrame, FrameAck, PageFrame, TransferId
-from kvfence.pd.receiver import Applied, Failed, Ready, TransferReceiver
+from kvfence.pd.receiver import Failed, Ready, TransferReceiver, failure_code
 from kvfence.pd.sender import ReleaseLocal, SendAbort, SendFinal, SendFrames, TransferSender
-
-INTEGRITY_REASONS = {"page_count_mismatch", "layout_mismatch", "incomplete", "digest_mismatch"}
-
-
-def failure_code(reason: str) -> str:
-    """What the client sees for a failed transfer: integrity problems are `kv_integrity_error` (I8)."""
-    return "kv_integrity_error" if reason.split(":")[0] in INTEGRITY_REASONS else "prefill_failed"
 
 
 def layout_fingerprint(engine: LLMEngine) -> str:
@@ -52,7 +46,15 @@ class LocalPDPair:
     def __post_init__(self) -> None:
         layout = layout_fingerprint(self.decode)
         assert layout == layout_fingerprint(self.prefill), "prefill and decode must share the KV layout"
-        self.receiver = TransferReceiver(self.decode.pool, layout, self.decode.runner.cache.page_bytes())
+        cache = self.decode.runner.cache
+        self.receiver = TransferReceiver(
+            self.decode.pool,
+            layout,
+            cache.page_bytes(),
+            cache.write_page,
+            checks=self.decode.integrity_checks,  # as DecodeWorker: the debug flag turns both layers off
+            faults=self.decode.faults,
+        )
         self._transfers: dict[TransferId, _Transfer] = {}
         self._ids = itertools.count(1)
         self._first_logprobs: dict[RequestId, tuple[float, tuple[tuple[int, float], ...]]] = {}
@@ -83,7 +85,10 @@ class LocalPDPair:
         num_local = 1 if self.prefill.faults.fire("placeholder_prefill") else len(request.pages)
         layout = layout_fingerprint(self.prefill)
         lp = self._first_logprobs.pop(request.request_id, None)
-        sender = TransferSender(ticket, num_local, layout, self.window, request.token_ids[-1], lp)
+        checks = self.prefill.integrity_checks
+        sender = TransferSender(
+            ticket, num_local, layout, self.window, request.token_ids[-1], lp, checks=checks
+        )
         self._transfers[tid] = _Transfer(request, sender)
         self._run(tid, sender.start())
 
@@ -92,8 +97,11 @@ class LocalPDPair:
         transfer = self._transfers[tid]
         for action in actions:
             if isinstance(action, SendFrames):
-                for i in action.indices:
-                    payload = self.prefill.runner.cache.read_page(transfer.request.pages[i])
+                payloads = self.prefill.read_for_transfer(transfer.request.request_id, action.indices)
+                if isinstance(payloads, Violation):
+                    self._run(tid, transfer.sender.fail(f"kv_integrity_error: page {payloads.page}"))
+                    return
+                for i, payload in zip(action.indices, payloads, strict=True):
                     self._deliver_frame(tid, transfer.sender.frame(i, payload))
             elif isinstance(action, SendFinal):
                 self._deliver_final(tid, action.final)
@@ -105,9 +113,9 @@ class LocalPDPair:
 
     def _deliver_frame(self, tid: TransferId, frame: PageFrame) -> None:
         verdict = self.receiver.on_frame(frame)
-        if isinstance(verdict, Applied):
-            self.decode.runner.cache.write_page(verdict.lease.page, frame.payload)
-        if verdict.ack is not None:
+        if isinstance(verdict, Failed):
+            self._fail(tid, verdict, failure_code(verdict.reason))
+        elif verdict.ack is not None:
             self._run(tid, self._transfers[tid].sender.on_ack(FrameAck(tid, verdict.ack.index)))
 
     def _deliver_final(self, tid: TransferId, final: FinalFrame) -> None:

@@ -1,29 +1,56 @@
 """Decode side of the KV transfer: reservations, frame validation (I2), completeness and digest (I3),
-revocation (I4). Sans-IO: events in, verdicts out; the caller moves bytes and writes KV.
+revocation (I4). Sans-IO: events in, verdicts out; the caller moves bytes, the receiver's `write_page` callback
+(local memory, never the network) writes KV.
 
-Atomicity contract: the caller runs `on_frame` and, if it returns `Applied`, writes the payload into the page
-before it handles any other event for this receiver (one thread, or one lock around both). Revocation then
-happens strictly before or strictly after a frame's validate-and-write, so once `revoke` returns no frame for
-the transfer can land, and its pages can go back to the pool at once (through quarantine).
+Atomicity: `on_frame` validates a frame, writes its payload through `write_page`, and only then records the
+page as written and stamps its tag, all in one call; the caller runs `on_frame`, `on_final` and `revoke` on one
+thread (or under one lock). Revocation therefore happens strictly before or strictly after a frame's
+validate-write-stamp, so once `revoke` returns no frame for the transfer can land, and its pages can go back to
+the pool at once (through quarantine). A write that raises revokes the transfer: a page is never marked
+written with bytes that did not arrive.
 
 Reservation lifecycle:  reserve -> RESERVED --all frames + final with matching count and digest--> handed over
-                                       |--revoke / bad final / abort--> revoked (pages released, id remembered)
+                                       |--revoke / bad final / abort / failed write--> revoked (pages released)
+
+Ended transfer ids are remembered (late messages for them are dropped by name) in a bounded table; ids are
+issued by a router in increasing order per router prefix (the top 24 bits), so an id at or below the highest id
+evicted from the table is refused as ended, which keeps memory bounded without ever accepting a reused id.
 """
 
 from __future__ import annotations
 
+import logging
+from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvfence.faults import Faults
-from kvfence.ids import RequestId
+from kvfence.ids import PageId, RequestId
 from kvfence.kv.pool import Lease, PagePool
 from kvfence.pd.digest import page_digest, transfer_digest
 from kvfence.pd.messages import FinalFrame, FrameAck, PageFrame, Ticket, TransferId
 
+log = logging.getLogger("kvfence.pd.receiver")
+WritePage = Callable[[PageId, bytes], None]
+ENDED_MEMORY = 4096  # ended transfer ids remembered by name; older ones are refused by the per-router floor
+_PREFIX_SHIFT = 40  # transfer ids: 24-bit router prefix << 40 | counter (kvfence/pd/router.py)
+INTEGRITY_REASONS = {
+    "page_count_mismatch",
+    "layout_mismatch",
+    "incomplete",
+    "digest_mismatch",
+    "kv_integrity_error",
+}
+
+
+def failure_code(reason: str) -> str:
+    """What the client sees for a failed transfer: integrity problems are `kv_integrity_error` (I8)."""
+    return "kv_integrity_error" if reason.split(":")[0] in INTEGRITY_REASONS else "prefill_failed"
+
 
 @dataclass(frozen=True, slots=True)
 class Applied:
-    """The frame is valid: write `frame.payload` into `lease.page` now, then send `ack`."""
+    """The frame was valid and its payload is written and stamped: send `ack`."""
 
     lease: Lease
     ack: FrameAck
@@ -31,8 +58,8 @@ class Applied:
 
 @dataclass(frozen=True, slots=True)
 class Dropped:
-    reason: str  # unknown_transfer | revoked | completed | bad_index | wrong_page | wrong_lease | stale_lease
-    # | duplicate | bad_size
+    reason: str  # unknown_transfer | revoked | completed | ended | bad_index | wrong_page | wrong_lease
+    # | stale_lease | duplicate | bad_size
     ack: FrameAck | None = None  # a duplicate of an applied frame is acknowledged again, never re-applied
 
 
@@ -63,6 +90,16 @@ class _Reservation:
         return sum(d is not None for d in self.digests)
 
 
+@dataclass(frozen=True, slots=True)
+class InFlight:
+    """A transfer still being received: pages reserved for it and how many frames landed (the KV page map)."""
+
+    transfer_id: TransferId
+    request_id: RequestId
+    leases: tuple[Lease, ...]
+    num_written: int
+
+
 @dataclass
 class ReceiverStats:
     applied: int = 0
@@ -76,22 +113,30 @@ class ReceiverStats:
 
 class TransferReceiver:
     def __init__(
-        self, pool: PagePool, layout: str, page_bytes: int, checks: bool = True, faults: Faults | None = None
+        self,
+        pool: PagePool,
+        layout: str,
+        page_bytes: int,
+        write_page: WritePage,
+        checks: bool = True,
+        faults: Faults | None = None,
     ) -> None:
         self.pool = pool
         self.layout = layout
         self.page_bytes = page_bytes
+        self.write_page = write_page
         # Debug/test only: with checks off, frames are not checked against the pool's current lease and a final
         # frame is trusted as "done" without count or digest: the historical behaviour the fault tests recreate.
         self.checks = checks
         self.faults = faults or Faults()
         self._active: dict[TransferId, _Reservation] = {}
-        self._ended: dict[TransferId, str] = {}  # "completed" | "revoked": late messages are dropped by these
+        self._ended: OrderedDict[TransferId, str] = OrderedDict()  # "completed" | "revoked", bounded
+        self._floor: dict[int, int] = {}  # router prefix -> highest id evicted from `_ended`
         self.stats = ReceiverStats()
 
     def reserve(self, transfer_id: TransferId, request_id: RequestId, num_pages: int) -> Ticket:
         """Lease pages for a transfer and return the ticket to send to prefill. Raises PoolExhausted."""
-        if transfer_id in self._active or transfer_id in self._ended:
+        if transfer_id in self._active or self._ended_reason(transfer_id) is not None:
             raise ValueError(f"transfer id {transfer_id} was already used")
         leases = self.pool.allocate(num_pages)
         self._active[transfer_id] = _Reservation(request_id, leases, [None] * num_pages)
@@ -103,11 +148,12 @@ class TransferReceiver:
             self.layout,
         )
 
-    def on_frame(self, frame: PageFrame) -> Applied | Dropped:
-        """I2: apply a frame only if it matches the reservation and the page's current lease, exactly once."""
+    def on_frame(self, frame: PageFrame) -> Applied | Dropped | Failed:
+        """I2: apply a frame only if it matches the reservation and the page's current lease, exactly once;
+        write it, then record and stamp it (a failed write revokes the transfer: `Failed`)."""
         res = self._active.get(frame.transfer_id)
         if res is None:
-            return self._drop(self._ended.get(frame.transfer_id, "unknown_transfer"))
+            return self._drop(self._ended_reason(frame.transfer_id) or "unknown_transfer")
         if not 0 <= frame.index < len(res.leases):
             return self._drop("bad_index")
         lease = res.leases[frame.index]
@@ -122,6 +168,11 @@ class TransferReceiver:
             return self._drop("duplicate", ack)
         if len(frame.payload) != self.page_bytes:
             return self._drop("bad_size")
+        try:
+            self.write_page(lease.page, frame.payload)
+        except Exception as exc:  # the page may hold part of the payload: never mark it written
+            log.error("transfer %s: writing page %s failed: %r; revoking", frame.transfer_id, lease.page, exc)
+            return self._fail(frame.transfer_id, f"write_failed: {exc!r}")
         res.digests[frame.index] = page_digest(frame.payload)
         self.pool.stamp([lease.page], [lease.lease])
         self.stats.applied += 1
@@ -131,7 +182,7 @@ class TransferReceiver:
         """I3: decodable only with every page written once, the count the ticket reserved, and equal digests."""
         res = self._active.get(final.transfer_id)
         if res is None:
-            return self._drop(self._ended.get(final.transfer_id, "unknown_transfer"))
+            return self._drop(self._ended_reason(final.transfer_id) or "unknown_transfer")
         if not self.checks:  # debug: trust the sender's "done"
             return self._complete(final, res)
         if final.num_pages != len(res.leases):
@@ -148,7 +199,7 @@ class TransferReceiver:
 
     def _complete(self, final: FinalFrame, res: _Reservation) -> Ready:
         del self._active[final.transfer_id]
-        self._ended[final.transfer_id] = "completed"
+        self._remember(final.transfer_id, "completed")
         self.stats.completed += 1
         return Ready(res.request_id, tuple(res.leases), final.first_token, final.first_logprobs)
 
@@ -167,11 +218,28 @@ class TransferReceiver:
 
     def _fail(self, transfer_id: TransferId, reason: str) -> Failed:
         res = self._active.pop(transfer_id)
-        self._ended[transfer_id] = "revoked"
+        self._remember(transfer_id, "revoked")
         refused = self.pool.release(res.leases)
-        assert not refused, f"transfer {transfer_id} held pages it did not own: {refused}"
+        if refused:  # only reachable with the free_on_timeout fault armed: the pages went back already
+            log.error(
+                "transfer %s: pool refused release of %s (not leased to it any more)", transfer_id, refused
+            )
+            self.stats.count(self.stats.dropped, "release_refused")
         self.stats.count(self.stats.failed, reason.split(":")[0])
         return Failed(res.request_id, reason)
+
+    def _remember(self, transfer_id: TransferId, how: str) -> None:
+        self._ended[transfer_id] = how
+        while len(self._ended) > ENDED_MEMORY:
+            old, _ = self._ended.popitem(last=False)
+            prefix = old >> _PREFIX_SHIFT
+            self._floor[prefix] = max(self._floor.get(prefix, 0), old)
+
+    def _ended_reason(self, transfer_id: TransferId) -> str | None:
+        if transfer_id in self._ended:
+            return self._ended[transfer_id]
+        floor = self._floor.get(transfer_id >> _PREFIX_SHIFT)
+        return "ended" if floor is not None and transfer_id <= floor else None
 
     def _drop(self, reason: str, ack: FrameAck | None = None) -> Dropped:
         self.stats.count(self.stats.dropped, reason)
@@ -180,6 +248,13 @@ class TransferReceiver:
     def reserved_leases(self) -> list[Lease]:
         """Every lease held by an active reservation (for the engine's integrity check)."""
         return [x for res in self._active.values() for x in res.leases]
+
+    def in_flight(self) -> list[InFlight]:
+        """Every active reservation and its progress, for observers (same thread as the other events)."""
+        return [
+            InFlight(tid, res.request_id, tuple(res.leases), res.num_written)
+            for tid, res in self._active.items()
+        ]
 
     @property
     def num_active(self) -> int:

@@ -53,6 +53,16 @@ class _Routed:
 
 
 @dataclass
+class _DebugPoll:
+    """One /debug/kv request fanned out to the workers; answers arrive on the I/O thread, read by the caller."""
+
+    waiting: dict[bytes, str] = field(default_factory=dict)  # identity -> name, for "did not answer"
+    answers: dict[bytes, dict[str, Any]] = field(default_factory=dict)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    done: threading.Event = field(default_factory=threading.Event)
+
+
+@dataclass
 class Router:
     bind: str = "tcp://127.0.0.1:0"
     ctx: zmq.Context[Any] = field(default_factory=zmq.Context.instance)
@@ -85,6 +95,8 @@ class Router:
         self._last_tid = 0
         self._last_ping = 0.0
         self._running = True
+        self._debug_polls: dict[int, _DebugPoll] = {}  # I/O thread only
+        self._debug_nonces = itertools.count(1)
         self._thread = threading.Thread(target=self._loop, name="kvfence-router", daemon=True)
         self._thread.start()
 
@@ -134,6 +146,19 @@ class Router:
     def abort(self, request_id: str) -> None:
         self._post(lambda: self._abort(RequestId(request_id)))
 
+    def debug_kv(self, timeout: float) -> tuple[list[dict[str, Any]], list[str]]:
+        """Every registered worker's KV page map (kvfence/dashboard), each taken between that worker's engine
+        steps; waits up to `timeout` s. Returns (maps, one line per worker that did not answer in time)."""
+        nonce, poll = next(self._debug_nonces), _DebugPoll()
+        self._post(lambda: self._ask_debug(nonce, poll))
+        poll.done.wait(timeout)
+        self._post(lambda: self._forget_debug(nonce))
+        with poll.lock:
+            answers = sorted(poll.answers.values(), key=lambda w: (w["role"] != "prefill", w["name"]))
+            late = [f"{name} did not answer within {timeout:g} s" for i, name in poll.waiting.items()
+                    if i not in poll.answers]  # fmt: skip
+        return answers, late
+
     def shutdown(self) -> None:
         def stop() -> None:
             for identity in self.workers:
@@ -152,6 +177,28 @@ class Router:
             self._wake_tx.send(b"")
 
     # ---- the I/O thread ---------------------------------------------------------------------------------
+
+    def _ask_debug(self, nonce: int, poll: _DebugPoll) -> None:
+        with poll.lock:
+            poll.waiting = {i: f"{w.role} worker {w.pid}" for i, w in self.workers.items()}
+        if not poll.waiting:
+            poll.done.set()
+            return
+        self._debug_polls[nonce] = poll
+        for identity in poll.waiting:
+            self.socket.send_multipart([identity, control.pack("debug_kv", nonce=nonce)])
+
+    def _forget_debug(self, nonce: int) -> None:
+        self._debug_polls.pop(nonce, None)
+
+    def _on_debug_kv(self, identity: bytes, msg: dict[str, Any]) -> None:
+        poll, worker = self._debug_polls.get(msg.get("nonce", 0)), self.workers.get(identity)
+        if poll is None or worker is None:
+            return  # late: the caller gave up on it
+        with poll.lock:
+            poll.answers[identity] = {**msg["snapshot"], "address": worker.data_addr, "pid": worker.pid}
+            if poll.waiting.keys() <= poll.answers.keys():
+                poll.done.set()
 
     def _loop(self) -> None:
         poller = zmq.Poller()
@@ -183,8 +230,16 @@ class Router:
                 routed.on_output(out)
                 if out.finished:
                     self._routed.pop(out.request_id, None)
+                if out.finished and out.error_code is not None:  # decode failed it (a refused reservation,
+                    # a failed transfer): the prefill may still hold pages for it. By request id, never by
+                    # transfer id, which a collision could share with another request (finding 2).
+                    self.socket.send_multipart(
+                        [routed.prefill, control.pack("abort", request_id=out.request_id)]
+                    )
         elif op == "heartbeat":
             self._on_heartbeat(msg)
+        elif op == "debug_kv":
+            self._on_debug_kv(identity, msg)
         elif op == "error":
             self._on_error(identity, RequestId(msg["request_id"]), msg["code"])
 

@@ -17,27 +17,32 @@ import os
 import threading
 import time
 import uuid
-from dataclasses import dataclass
+from collections import OrderedDict
+from dataclasses import dataclass, field
 from typing import Any
 
 import zmq
 
+from kvfence.dashboard.snapshot import KvMapper
 from kvfence.engine.errors import AdmissionError
 from kvfence.engine.llm_engine import LLMEngine
 from kvfence.engine.output import RequestOutput
 from kvfence.engine.request import Request
 from kvfence.ids import RequestId
+from kvfence.kv.integrity import Violation
 from kvfence.kv.pool import PoolExhausted
 from kvfence.pd import control, wire
-from kvfence.pd.local import failure_code, layout_fingerprint
+from kvfence.pd.local import layout_fingerprint
 from kvfence.pd.messages import Abort, AbortAck, FinalFrame, FrameAck, Message, PageFrame, Ticket, TransferId
-from kvfence.pd.receiver import Applied, Failed, Ready, TransferReceiver
+from kvfence.pd.receiver import Failed, Ready, TransferReceiver, failure_code
 from kvfence.pd.sender import Action, ReleaseLocal, SendAbort, SendFinal, SendFrames, TransferSender
+from kvfence.server.preflight import PreflightReport
 
 log = logging.getLogger("kvfence.pd.worker")
 IDLE_POLL_MS = 50
 HEARTBEAT_S = 0.5  # the router declares a worker dead after several missed heartbeats
 ROUTER_SILENCE_S = 15.0  # a registered worker whose router has said nothing for this long exits
+TOMBSTONES = 4096  # aborted request ids a prefill worker remembers, so a late ticket for one is refused
 
 
 def fingerprint(engine: LLMEngine) -> dict[str, Any]:
@@ -57,6 +62,8 @@ def _flip(payload: bytes) -> bytes:
 
 class Worker:
     role = "worker"
+    preflight: PreflightReport | None = None  # this worker's I6 verdict, set by its launcher (the page map)
+    _kv_map: KvMapper | None = None
 
     def __init__(self, engine: LLMEngine, router_addr: str, ctx: zmq.Context[Any] | None = None) -> None:
         self.engine = engine
@@ -140,8 +147,19 @@ class Worker:
                 "register", role=self.role, fingerprint=fingerprint(self.engine), data_addr=self.data_addr,
                 pid=os.getpid(),
             )  # fmt: skip
+        elif op == "debug_kv":  # the router's page map: taken here, between two engine steps
+            self.send_control("debug_kv", nonce=msg.get("nonce"), snapshot=self.kv_map().snapshot())
         elif op != "ping":
             self.on_request(msg)
+
+    def kv_map(self) -> KvMapper:
+        if self._kv_map is None:
+            name = f"{self.role} worker {os.getpid()}"
+            self._kv_map = KvMapper(self.engine, name, self.role, self.preflight, self.kv_receiver())
+        return self._kv_map
+
+    def kv_receiver(self) -> TransferReceiver | None:
+        return None
 
     def send_control(self, op: str, **body: Any) -> None:
         self.control.send(control.pack(op, **body))
@@ -180,16 +198,24 @@ class _Outgoing:
     ticket: Ticket
     request: Request | None = None  # set once the prefill is done
     sender: TransferSender | None = None
+    since: float = field(default_factory=time.monotonic)  # when the sender started (for the prefill timeout)
 
 
 class PrefillWorker(Worker):
     role = "prefill"
 
     def __init__(
-        self, engine: LLMEngine, router_addr: str, data_addr: str, window: int = 8, **kw: Any
+        self,
+        engine: LLMEngine,
+        router_addr: str,
+        data_addr: str,
+        window: int = 8,
+        transfer_timeout_s: float = 30.0,
+        **kw: Any,
     ) -> None:
         super().__init__(engine, router_addr, **kw)
         self.window = window
+        self.transfer_timeout_s = transfer_timeout_s
         self.data = self.ctx.socket(zmq.ROUTER)
         self.data.setsockopt(zmq.LINGER, 0)
         host, _, port = data_addr.rpartition(":")
@@ -200,7 +226,8 @@ class PrefillWorker(Worker):
             self.data_addr = data_addr
         self.poller.register(self.data, zmq.POLLIN)
         self.out: dict[RequestId, _Outgoing] = {}  # by request id, from ticket to release
-        self.done: dict[RequestId, Request] = {}  # prefilled, ticket not here yet
+        self.done: dict[RequestId, tuple[Request, float]] = {}  # prefilled, ticket not here yet (since when)
+        self.tombstones: OrderedDict[RequestId, None] = OrderedDict()  # aborted: a late ticket is refused
         self.first_logprobs: dict[RequestId, tuple[float, tuple[tuple[int, float], ...]]] = {}
 
     def on_request(self, msg: dict[str, Any]) -> None:
@@ -221,20 +248,48 @@ class PrefillWorker(Worker):
             log.warning("dropped malformed data message: %s", exc)
             return
         if isinstance(message, Ticket):
-            self.out[message.request_id] = _Outgoing(peer, message)
-            self._try_start(message.request_id)
+            self._on_ticket(peer, message)
             return
         for rid, o in self.out.items():
-            if o.ticket.transfer_id == message.transfer_id and o.sender is not None:
-                if isinstance(message, FrameAck):
-                    self._act(rid, o.sender.on_ack(message))
-                elif isinstance(message, Abort):
-                    self._act(rid, o.sender.on_abort(message))
-                return
+            if o.ticket.transfer_id != message.transfer_id:
+                continue
+            if o.sender is not None and isinstance(message, FrameAck | Abort):
+                self._act(
+                    rid,
+                    o.sender.on_ack(message) if isinstance(message, FrameAck) else o.sender.on_abort(message),
+                )
+            elif isinstance(
+                message, Abort
+            ):  # decode gave up while we still compute: stop, remember (finding 1)
+                del self.out[rid]
+                self._forget(rid)
+            return
+
+    def _on_ticket(self, peer: bytes, ticket: Ticket) -> None:
+        rid = ticket.request_id
+        if rid in self.tombstones:  # the request was aborted before its ticket came: tell decode to let go
+            self._send(peer, Abort(ticket.transfer_id, "aborted"))
+        elif rid in self.out:  # a duplicate ticket never replaces a running sender
+            log.warning("ignored a second ticket for request %s (transfer %s)", rid, ticket.transfer_id)
+        else:
+            self.out[rid] = _Outgoing(peer, ticket)
+            self._try_start(rid)
+
+    def _forget(self, rid: RequestId) -> None:
+        """The request's transfer will never happen: release its pages (or stop its prefill) and tombstone it."""
+        done = self.done.pop(rid, None)
+        if done is not None:
+            self.engine.finish_transfer(rid)
+        else:
+            self.engine.abort(rid)  # still prefilling: the abort lands before its next step, so no hand-off
+        self.first_logprobs.pop(rid, None)
+        self.tombstones[rid] = None
+        while len(self.tombstones) > TOMBSTONES:
+            self.tombstones.popitem(last=False)
 
     def after_step(self) -> None:
         for request in self.engine.take_handoffs():
-            self.done[request.request_id] = request
+            self.done[request.request_id] = (request, time.monotonic())
             self._try_start(request.request_id)
 
     def on_outputs(self, outputs: list[RequestOutput]) -> None:
@@ -248,25 +303,41 @@ class PrefillWorker(Worker):
                     self._send(o.peer, Abort(o.ticket.transfer_id, out.error_code))
 
     def on_abort(self, request_id: RequestId) -> None:
-        o = self.out.get(request_id)
+        o = self.out.pop(request_id, None)
         if o is not None and o.sender is not None:
+            self.out[request_id] = o
             self._act(request_id, o.sender.fail("aborted"))
-        elif request_id in self.done:
-            self.engine.finish_transfer(request_id)
-            del self.done[request_id]
-        else:
-            self.engine.abort(request_id)
+            return
+        if o is not None:  # ticket here, prefill not done: decode has been told by the router as well
+            self._send(o.peer, Abort(o.ticket.transfer_id, "aborted"))
+        self._forget(request_id)
+
+    def on_tick(self) -> None:
+        """Liveness (finding 1): a transfer that does not finish in time, or a prefilled request whose ticket
+        never comes, ends here. Safe: frames are copies, so once the sender stops nothing reads our pages."""
+        deadline = time.monotonic() - self.transfer_timeout_s
+        for rid, o in list(self.out.items()):
+            if o.sender is not None and o.since < deadline:
+                log.warning("transfer %s for request %s timed out on prefill", o.ticket.transfer_id, rid)
+                self._act(rid, o.sender.fail("timeout"))
+        for rid, (_, since) in list(self.done.items()):
+            if since < deadline:
+                log.warning("request %s: no ticket from decode after %.0f s", rid, self.transfer_timeout_s)
+                self._forget(rid)
 
     def _try_start(self, rid: RequestId) -> None:
         o = self.out.get(rid)
         if o is None or rid not in self.done or o.sender is not None:
             return
-        o.request = self.done.pop(rid)
+        o.request = self.done.pop(rid)[0]
         first = o.request.token_ids[-1]
         num_local = 1 if self.engine.faults.fire("placeholder_prefill") else len(o.request.pages)
         layout = layout_fingerprint(self.engine)
         lp = self.first_logprobs.pop(rid, None)
-        o.sender = TransferSender(o.ticket, num_local, layout, self.window, first, lp)
+        o.sender = TransferSender(
+            o.ticket, num_local, layout, self.window, first, lp, checks=self.engine.integrity_checks
+        )
+        o.since = time.monotonic()
         self._act(rid, o.sender.start())
 
     def _act(self, rid: RequestId, actions: list[Action]) -> None:
@@ -274,12 +345,20 @@ class PrefillWorker(Worker):
         assert o.sender is not None and o.request is not None
         for action in actions:
             if isinstance(action, SendFrames):
-                for i in action.indices:
-                    payload = self.engine.runner.cache.read_page(o.request.pages[i])
+                payloads = self.engine.read_for_transfer(rid, action.indices)  # I1-checked reads (finding 3)
+                if isinstance(payloads, Violation):
+                    self._act(
+                        rid, o.sender.fail(f"kv_integrity_error: page {payloads.page} ({payloads.kind})")
+                    )
+                    return
+                for i, payload in zip(action.indices, payloads, strict=True):
                     frame = o.sender.frame(i, payload)
                     if self.engine.faults.fire("corrupt_frame"):  # flipped in flight, after the digest
                         frame = PageFrame(frame.transfer_id, i, frame.page_id, frame.lease_id, _flip(payload))
                     self._send(o.peer, frame)
+                    if self.engine.faults.fire("die_mid_transfer"):
+                        log.error("fault die_mid_transfer: exiting after frame %d of request %s", i, rid)
+                        os._exit(1)
             elif isinstance(action, SendFinal | SendAbort):
                 self._send(o.peer, action.final if isinstance(action, SendFinal) else action.abort)
             elif isinstance(action, ReleaseLocal):
@@ -305,6 +384,7 @@ class DecodeWorker(Worker):
             engine.pool,
             layout_fingerprint(engine),
             engine.runner.cache.page_bytes(),
+            engine.runner.cache.write_page,
             checks=engine.integrity_checks,  # --no-integrity-checks turns both layers off (debug only)
             faults=engine.faults,
         )
@@ -312,6 +392,9 @@ class DecodeWorker(Worker):
         self.started: dict[TransferId, float] = {}
         self.peers: dict[str, zmq.Socket[Any]] = {}  # prefill data address -> our DEALER to it
         self.incoming: dict[TransferId, tuple[RequestId, zmq.Socket[Any]]] = {}
+
+    def kv_receiver(self) -> TransferReceiver | None:
+        return self.receiver
 
     def on_request(self, msg: dict[str, Any]) -> None:
         if msg["op"] != "expect" or self.admit(msg) is None:
@@ -354,10 +437,11 @@ class DecodeWorker(Worker):
             log.warning("dropped malformed data message: %s", exc)
             return
         if isinstance(message, PageFrame):
-            verdict = self.receiver.on_frame(message)
-            if isinstance(verdict, Applied):  # validate + write happen back to back on this one thread (I4)
-                self.engine.runner.cache.write_page(verdict.lease.page, message.payload)
-            if verdict.ack is not None:
+            verdict = self.receiver.on_frame(message)  # validate + write + stamp, on this one thread (I4)
+            if isinstance(verdict, Failed):  # the write failed: revoked; tell prefill to stop
+                sock.send_multipart(wire.encode(Abort(message.transfer_id, "write_failed")))
+                self._finish(message.transfer_id, verdict)
+            elif verdict.ack is not None:
                 sock.send_multipart(wire.encode(verdict.ack))
         elif isinstance(message, FinalFrame):
             self._finish(message.transfer_id, self.receiver.on_final(message))
@@ -377,7 +461,7 @@ class DecodeWorker(Worker):
             self._fail(rid, failure_code(result.reason), result.reason)
 
     def _fail(self, rid: RequestId, code: str, reason: str) -> None:
-        out = self.engine.fail_transfer(rid, code)
+        out = self.engine.fail_transfer(rid, code, reason)
         if out is not None:
             self.on_outputs([out])
         log.warning("request %s failed: %s (%s)", rid, code, reason)
