@@ -1,4 +1,5 @@
-"""`kvfence` command line: fetch-model, generate, preflight, serve, and the PD workers (prefill, decode)."""
+"""`kvfence` command line: fetch-model, generate, preflight, serve, the PD workers (prefill, decode), and
+`top` (the KV page map in a terminal)."""
 
 from __future__ import annotations
 
@@ -139,6 +140,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_pd_args(serve)
     add_worker_commands(sub)
     add_router_command(sub)
+
+    from kvfence.dashboard.top import add_top_command
+
+    add_top_command(sub)
     return parser
 
 

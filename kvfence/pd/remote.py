@@ -13,6 +13,7 @@ import queue
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from kvfence.engine.admission import Limits
 from kvfence.engine.llm_engine import EngineStats
@@ -92,6 +93,10 @@ class RemoteEngine:
 
     def abort(self, request_id: str) -> None:
         self.router.abort(request_id)
+
+    def debug_kv(self, timeout: float) -> tuple[list[dict[str, Any]], list[str]]:
+        """Every worker's KV page map (kvfence/dashboard); see `Router.debug_kv`."""
+        return self.router.debug_kv(timeout)
 
     def has_unfinished(self) -> bool:
         with self._lock:

@@ -121,7 +121,9 @@ def serve_http(router: Router, args: argparse.Namespace) -> int:
     metrics = ServerMetrics()
     engine = AsyncEngine(remote, max_queue=args.max_queue, observer=metrics)  # type: ignore[arg-type]
     name = args.served_model_name or Path(args.model).stem
-    settings = ServerSettings(name, api_keys=keys, max_body_bytes=args.max_body_bytes)
+    settings = ServerSettings(
+        name, api_keys=keys, max_body_bytes=args.max_body_bytes, admin_key=args.admin_key
+    )
     print(how_to_call(args.host, args.port, name, with_key=keys is not None), flush=True)
     uvicorn.run(build_app(engine, settings, metrics), host=args.host, port=args.port, log_level="info")
     return 0

@@ -6,7 +6,8 @@ and hands it to `Serving`. A client that disconnects before its body is complete
 app's lifespan starts and stops the engine thread. With API keys configured, every route but /health needs a
 key: /metrics too, since its labels name tenants.
 
-Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health, GET /metrics.
+Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health, GET /metrics; the KV
+page map's GET /dashboard (no data, no key) and GET /debug/kv (the admin key, not a tenant's; kvfence/dashboard).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from pydantic import BaseModel
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 
+from kvfence.dashboard.routes import add_dashboard_routes, kv_source
 from kvfence.server.async_engine import AsyncEngine
 from kvfence.server.auth import Authenticator
 from kvfence.server.errors import OpenAIError, install_handlers, invalid
@@ -49,6 +51,7 @@ def build_app(engine: AsyncEngine, settings: ServerSettings, metrics: ServerMetr
     app.state.engine, app.state.metrics, app.state.settings = engine, metrics, settings
     _generation_routes(app, Serving(engine, settings, metrics), auth, settings.max_body_bytes, metrics)
     _info_routes(app, engine, settings, auth, metrics)
+    add_dashboard_routes(app, kv_source(engine, settings.preflight), settings.admin_key)
     return app
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import ipaddress
 import logging
+import os
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -43,6 +44,12 @@ def add_server_args(p: argparse.ArgumentParser, serving: bool) -> None:
     p.add_argument("--api-keys", default=None, help="TOML or JSON file mapping API key -> tenant name")
     p.add_argument("--max-queue", type=int, default=256, help="waiting requests before answering 503")
     p.add_argument("--max-body-bytes", type=int, default=4 << 20, help="largest request body accepted")
+    p.add_argument(
+        "--admin-key",
+        default=os.environ.get("KVFENCE_ADMIN_KEY") or None,
+        help="key that opens GET /debug/kv, the KV page map behind /dashboard and `kvfence top` "
+        "(default: $KVFENCE_ADMIN_KEY; unset: nobody may read it)",
+    )
 
 
 def size_problem(args: argparse.Namespace) -> str | None:
@@ -119,7 +126,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     metrics = ServerMetrics()
     engine = AsyncEngine(LLMEngine(config, loaded), max_queue=args.max_queue, observer=metrics)
     name = args.served_model_name or Path(config.model).stem
-    settings = ServerSettings(name, api_keys=keys, max_body_bytes=args.max_body_bytes)
+    settings = ServerSettings(
+        name, api_keys=keys, max_body_bytes=args.max_body_bytes, admin_key=args.admin_key, preflight=report
+    )
     print(how_to_call(args.host, args.port, name, with_key=keys is not None), flush=True)
     uvicorn.run(build_app(engine, settings, metrics), host=args.host, port=args.port, log_level="info")
     return 0

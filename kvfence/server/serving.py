@@ -34,6 +34,7 @@ from kvfence.server.errors import (
     unavailable,
 )
 from kvfence.server.metrics import ServerMetrics
+from kvfence.server.preflight import PreflightReport
 from kvfence.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -51,6 +52,8 @@ class ServerSettings:
     api_keys: dict[str, str] | None = None  # key -> tenant; None: one anonymous tenant
     max_body_bytes: int = 4 << 20
     retry_after_s: int = 1
+    admin_key: str | None = None  # opens GET /debug/kv (the KV page map); None: nobody may read it
+    preflight: PreflightReport | None = None  # this node's I6 verdict, shown on the page map
 
 
 class EngineStream(StreamingResponse):

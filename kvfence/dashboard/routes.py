@@ -1,0 +1,109 @@
+"""`GET /dashboard` (the page) and `GET /debug/kv` (its data) on the HTTP front, colocated or PD router.
+
+Boundary: HTTP only. The data comes from a `KvSource`: colocated, a `KvMapper` run on the engine thread between
+two steps; PD, the router asking every worker (`Router.debug_kv`), each answering between its own steps.
+
+Access: /debug/kv names tenants and shows prompt text, so it needs the admin key (`--admin-key`, sent as
+`Authorization: Bearer KEY`); tenant API keys do not open it, and a server started without an admin key answers
+401 to everyone. The page holds no data and needs no key: it asks for the admin key and keeps it in the tab's
+sessionStorage, or takes it from the URL fragment (`/dashboard#key=...`), which browsers never send to a server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import time
+from collections.abc import Awaitable, Callable
+from importlib import resources
+from typing import Any
+
+from fastapi import FastAPI
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from kvfence.dashboard.snapshot import SCHEMA_VERSION, KvMapper
+from kvfence.server.async_engine import AsyncEngine, EngineUnavailable
+from kvfence.server.errors import OpenAIError, unavailable
+from kvfence.server.preflight import PreflightReport
+
+KvSource = Callable[[], Awaitable[dict[str, Any]]]
+PD_ANSWER_TIMEOUT_S = 2.0  # a worker busy in a long step answers late; the page shows who did not answer
+ASSETS = {"dashboard.js": "text/javascript", "dashboard.css": "text/css"}
+PAGE_HEADERS = {
+    # everything comes from kvfence itself: no CDN, no inline script, nothing loads from elsewhere
+    "Content-Security-Policy": "default-src 'self'; img-src 'self' data:; frame-ancestors 'none'",
+    "Cache-Control": "no-cache",
+    "X-Content-Type-Options": "nosniff",
+    "Referrer-Policy": "no-referrer",
+}
+
+
+def add_dashboard_routes(app: FastAPI, source: KvSource, admin_key: str | None) -> None:
+    page = _static("dashboard.html")
+    assets = {name: _static(name) for name in ASSETS}
+
+    @app.get("/dashboard")
+    async def dashboard() -> Response:
+        return Response(page, media_type="text/html; charset=utf-8", headers=PAGE_HEADERS)
+
+    @app.get("/dashboard/{name}")
+    async def dashboard_asset(name: str) -> Response:
+        if name not in assets:
+            raise OpenAIError(404, f"no dashboard asset {name!r}", code="not_found")
+        return Response(assets[name], media_type=f"{ASSETS[name]}; charset=utf-8", headers=PAGE_HEADERS)
+
+    @app.get("/debug/kv")
+    async def debug_kv(request: Request) -> Response:
+        check_admin(admin_key, request.headers.get("authorization"))
+        return JSONResponse(await source(), headers={"Cache-Control": "no-store"})
+
+
+def check_admin(admin_key: str | None, authorization: str | None) -> None:
+    """Raise a 401 unless `authorization` is `Bearer <admin_key>` (constant-time compare)."""
+    headers = {"WWW-Authenticate": 'Bearer realm="kvfence-admin"'}
+    if admin_key is None:
+        message = "the KV page map is disabled: start kvfence with --admin-key (or KVFENCE_ADMIN_KEY)"
+        raise OpenAIError(401, message, code="invalid_admin_key", headers=headers)
+    scheme, _, token = (authorization or "").partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), admin_key.encode()):
+        raise OpenAIError(401, "Missing or incorrect admin key.", code="invalid_admin_key", headers=headers)
+
+
+def kv_source(engine: AsyncEngine, preflight: PreflightReport | None) -> KvSource:
+    """Where /debug/kv gets its data: the local engine, or (PD router) every registered worker."""
+    from kvfence.pd.remote import RemoteEngine
+
+    inner: object = engine.engine
+    if isinstance(inner, RemoteEngine):
+        remote = inner
+
+        async def from_workers() -> dict[str, Any]:
+            workers, errors = await asyncio.to_thread(remote.debug_kv, PD_ANSWER_TIMEOUT_S)
+            return envelope("pd", workers, errors)
+
+        return from_workers
+    mapper = KvMapper(engine.engine, name="colocated", role="colocated", preflight=preflight)
+
+    async def from_engine() -> dict[str, Any]:
+        try:
+            worker = await engine.run_between_steps(mapper.snapshot)
+        except EngineUnavailable as e:
+            raise unavailable(str(e)) from e
+        return envelope("colocated", [worker], [])
+
+    return from_engine
+
+
+def envelope(mode: str, workers: list[dict[str, Any]], errors: list[str]) -> dict[str, Any]:
+    return {
+        "version": SCHEMA_VERSION,
+        "mode": mode,
+        "time": time.time(),
+        "workers": workers,
+        "errors": errors,
+    }
+
+
+def _static(name: str) -> bytes:
+    return (resources.files("kvfence.dashboard") / "static" / name).read_bytes()
