@@ -151,8 +151,8 @@ class PrefillRole(Role):
         if isinstance(message, Ticket):
             self._on_ticket(peer, message)
             return
-        for rid, o in self.out.items():
-            if o.ticket.transfer_id != message.transfer_id:
+        for rid, o in self.out.items():  # by (decode peer, transfer id): ids from a faulty router can collide
+            if o.ticket.transfer_id != message.transfer_id or o.peer != peer:
                 continue
             if o.sender is not None and isinstance(message, FrameAck):
                 self._act(rid, o.sender.on_ack(message))
@@ -180,6 +180,9 @@ class PrefillRole(Role):
             self.engine.finish_transfer(rid)
         else:
             self.engine.abort(rid)  # still prefilling: the abort lands before its next step, so no hand-off
+        self._tombstone(rid)
+
+    def _tombstone(self, rid: RequestId) -> None:
         self.first_logprobs.pop(rid, None)
         self.tombstones[rid] = None
         while len(self.tombstones) > TOMBSTONES:
@@ -199,6 +202,7 @@ class PrefillRole(Role):
                 o = self.out.pop(out.request_id, None)
                 if o is not None:
                     self.transport.send_data(o.peer, Abort(o.ticket.transfer_id, out.error_code))
+                self._tombstone(out.request_id)  # its ticket may still be on the way
 
     def on_abort(self, request_id: RequestId) -> None:
         o = self.out.get(request_id)
@@ -216,9 +220,15 @@ class PrefillRole(Role):
         reads our pages."""
         deadline = self.clock() - self.transfer_timeout_s
         for rid, o in list(self.out.items()):
-            if o.sender is not None and o.since < deadline:
-                log.warning("transfer %s for request %s timed out on prefill", o.ticket.transfer_id, rid)
+            if o.since >= deadline:
+                continue
+            log.warning("transfer %s for request %s timed out on prefill", o.ticket.transfer_id, rid)
+            if o.sender is not None:
                 self._act(rid, o.sender.fail("timeout"))
+            else:  # a ticket, but the prefill never finished (decode has given up by now as well)
+                del self.out[rid]
+                self.transport.send_data(o.peer, Abort(o.ticket.transfer_id, "timeout"))
+                self._forget(rid)
         for rid, (_, since) in list(self.done.items()):
             if since < deadline:
                 log.warning("request %s: no ticket from decode after %.0f s", rid, self.transfer_timeout_s)
@@ -337,7 +347,7 @@ class DecodeRole(Role):
                 self.transport.send_data(peer, verdict.ack)
             return
         entry = self.incoming.get(tid)
-        if entry is None or entry[1] is not peer:  # not ours, or not from the prefill we sent the ticket to
+        if entry is None or entry[1] != peer:  # not ours, or not from the prefill we sent the ticket to
             return
         if isinstance(message, FinalFrame):
             self._finish(tid, self.rx.on_final(message))

@@ -1,0 +1,514 @@
+"""A deterministic simulation of a PD cluster running the real code.
+
+The router is the real `RouterCore`; each worker is a real `PrefillRole` or `DecodeRole` around a real
+`LLMEngine` (scheduler, page pool, I1 checks, prefix cache off) whose model runner is the provenance runner
+(kvfence/sim/runner.py). Only the outside world is simulated, on one seeded event queue and a simulated clock:
+
+- the network: control messages (router <-> workers) are reliable and FIFO per link, as over ZeroMQ/TCP, but
+  delayed; data messages (tickets, frames, acks, finals, aborts) can be dropped, duplicated, delayed and
+  reordered; everything goes through the real wire encodings (`control.pack`, `wire.encode`);
+- time: engine steps, heartbeats, timeouts and the router's dead-worker reaping run on the simulated clock;
+- clients: two tenants submit requests (admission is the router's) and abort some at random moments;
+- failures: workers crash (their messages in flight still arrive; nothing reaches them any more) and new ones
+  join; the fault knobs of kvfence/faults.py can be armed on every worker and the router.
+
+After every event the simulator checks the invariants on the real data structures (`Violation`): every live
+worker's pool, engine and receiver integrity (`Role.check_integrity`: pages in exactly one state, leased pages
+held by exactly their leaseholders, reservations intact); no read of foreign or unwritten K/V (the provenance
+oracle); every output is a prefix of the request's exact expected tokens, and an error carries no tokens (fail
+closed). At the end (quiescence) every request has ended exactly once, every live pool is whole, and no
+transfer, sender or routed request is left behind (liveness).
+
+Event names in the trace follow the Promela model (verify/transfer.pml): `net_recv` (delivery), `engine_step`,
+`rx_timeout`/`tx_timeout` (a worker's tick), `client_submit`, `client_abort`, `crash`, `restart`, `heartbeat`,
+`router_reap`.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import json
+import random
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field, fields
+from typing import Any, cast
+
+import tokenizers
+
+from kvfence.engine.config import EngineConfig
+from kvfence.engine.errors import AdmissionError
+from kvfence.engine.llm_engine import LLMEngine
+from kvfence.engine.model_runner import ModelRunner
+from kvfence.engine.output import RequestOutput
+from kvfence.engine.request import SamplingParams
+from kvfence.faults import Faults
+from kvfence.ids import RequestId
+from kvfence.model.config import ModelConfig
+from kvfence.model.loader import LoadedModel
+from kvfence.model.tokenizer import Tokenizer
+from kvfence.pd import control, wire
+from kvfence.pd.messages import Message
+from kvfence.pd.roles import DecodeRole, PrefillRole, Role
+from kvfence.pd.router import NoWorkers, RouterCore
+from kvfence.pd.worker import fingerprint
+from kvfence.sim.runner import ProvenanceRunner, expected_token
+
+VOCAB = 64
+ROUTER = "router"
+STEP_S = (0.002, 0.02)  # simulated time between two steps of one worker
+HEARTBEAT_S = 0.5
+KNOBS = ("placeholder_prefill", "stale_frame", "corrupt_frame", "free_on_timeout", "reuse_transfer_id",
+         "die_mid_transfer", "skip_stamp", "drop_write", "double_lease")  # fmt: skip
+# Knobs that break the pool's bookkeeping themselves (a page leased twice, a reservation whose pages were freed):
+# with them armed and the checks on, the simulator checks what the checks must still guarantee (no foreign read,
+# no wrong token, every request ends), not the bookkeeping invariants the knob breaks on purpose.
+BOOKKEEPING_KNOBS = ("double_lease", "free_on_timeout")
+REAP_S = 0.25
+
+
+class Violation(AssertionError):
+    """An invariant failed; the message says which, and the trace says how."""
+
+
+class Crash(Exception):
+    """Raised inside a role to end its worker at once (the die_mid_transfer knob)."""
+
+
+@dataclass
+class SimConfig:
+    seed: int
+    num_prefill: int = 2
+    num_decode: int = 1
+    prefill_pages: int = 24
+    decode_pages: int = 24
+    page_size: int = 4
+    context_length: int = 64
+    num_requests: int = 8
+    max_prompt: int = 30
+    max_tokens: int = 5
+    p_drop: float = 0.0  # data plane only
+    p_dup: float = 0.0
+    max_delay_s: float = 0.005  # data plane latency is uniform in [0, max_delay_s]: reordering
+    p_abort: float = 0.1
+    crashes: int = 0
+    checks: bool = True  # the engines' I1 checks and the receivers' checks (--no-integrity-checks when False)
+    faults: str = ""  # "knob=count,..." armed on every worker engine and the router
+    window: int = 2
+    transfer_timeout_s: float = 1.5
+    dead_after_s: float = 1.2
+    submit_until_s: float = 2.0
+    horizon_s: float = 30.0
+
+    @classmethod
+    def from_seed(cls, seed: int, **overrides: Any) -> SimConfig:
+        """A random but reproducible scenario: network, pool sizes, load, aborts and crashes vary with the seed."""
+        rng = random.Random(seed)
+        lossy = rng.random() < 0.5
+        config = cls(
+            seed=seed,
+            num_prefill=rng.choice([1, 2, 2]),
+            num_decode=rng.choice([1, 1, 2]),
+            prefill_pages=rng.choice([10, 16, 24]),
+            decode_pages=rng.choice([10, 16, 24]),
+            num_requests=rng.randint(3, 10),
+            max_prompt=rng.choice([8, 20, 36]),
+            max_tokens=rng.randint(1, 6),
+            p_drop=rng.choice([0.02, 0.1]) if lossy else 0.0,
+            p_dup=rng.choice([0.02, 0.1]) if lossy else 0.0,
+            max_delay_s=rng.choice([0.0005, 0.005, 0.05]),
+            p_abort=rng.choice([0.0, 0.1, 0.3]),
+            crashes=rng.choice([0, 0, 0, 1]),
+            window=rng.choice([1, 2, 8]),
+        )
+        if rng.random() < 0.35:  # a fault knob armed, with every check on: victims fail, invariants hold
+            config.faults = f"{rng.choice(KNOBS)}={rng.randint(1, 3)}"
+        names = {f.name for f in fields(cls)}
+        for key, value in overrides.items():
+            assert key in names, key
+            setattr(config, key, value)
+        return config
+
+
+def sim_model() -> LoadedModel:
+    """Model config and tokenizer for engines whose runner is the provenance runner (no weights)."""
+    vocab = {"<|endoftext|>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, VOCAB)}}
+    hf = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<|endoftext|>"))
+    tokenizer = Tokenizer(hf, bos_token_id=1, eos_token_ids=[2], add_bos=False, chat_template=None)
+    config = ModelConfig(
+        architecture="llama", vocab_size=VOCAB, hidden_size=8, intermediate_size=16, num_layers=1,
+        num_heads=1, num_kv_heads=1, head_dim=8, rope_theta=10000.0, rms_norm_eps=1e-5,
+        context_length=128, tie_word_embeddings=True, attention_bias=False, bos_token_id=1,
+        eos_token_ids=(2,), name="sim",
+    )  # fmt: skip
+    return LoadedModel(config, {}, tokenizer, "sim")
+
+
+def make_engine(
+    cfg: SimConfig, num_pages: int, faults: Faults, lease_prefix: int
+) -> tuple[LLMEngine, ProvenanceRunner]:
+    runner = ProvenanceRunner(num_pages, cfg.page_size, VOCAB, faults)
+    config = EngineConfig(
+        model="sim", page_size=cfg.page_size, kv_pages=num_pages, context_length=cfg.context_length,
+        max_num_seqs=8, max_num_batched_tokens=32, integrity_checks=cfg.checks, faults=faults,
+        lease_prefix=lease_prefix, enable_prefix_cache=False,
+    )  # fmt: skip
+    return LLMEngine(config, sim_model(), runner=cast(ModelRunner, runner)), runner
+
+
+class SimPrefillRole(PrefillRole):
+    def die(self) -> None:
+        raise Crash("die_mid_transfer")
+
+
+@dataclass
+class SimWorker:
+    """A worker process: a role and its engine, with the simulator as its transport."""
+
+    name: str
+    kind: str  # "prefill" | "decode"
+    sim: Simulation
+    engine: LLMEngine
+    runner: ProvenanceRunner
+    role: Role = field(init=False)
+    alive: bool = True
+
+    def __post_init__(self) -> None:
+        cfg, clock = self.sim.cfg, self.sim.now
+        if self.kind == "prefill":
+            self.role = SimPrefillRole(self.engine, self, cfg.window, cfg.transfer_timeout_s, clock=clock)
+        else:
+            self.role = DecodeRole(self.engine, self, cfg.transfer_timeout_s, clock=clock)
+
+    # Transport
+    def send_control(self, op: str, **body: Any) -> None:
+        self.sim.send_control(self.name, ROUTER, control.pack(op, **body))
+
+    def send_data(self, peer: Any, message: Message) -> None:
+        self.sim.send_data(self.name, str(peer), wire.encode(message))
+
+    def connect(self, data_addr: str) -> Any:
+        return data_addr
+
+    def on_control(self, msg: dict[str, Any]) -> None:
+        if msg["op"] == "reregister":
+            self.register()
+        elif msg["op"] not in ("registered", "refused", "ping", "shutdown"):
+            self.role.on_control(msg)
+
+    def register(self) -> None:
+        fp = fingerprint(self.engine)
+        self.send_control("register", role=self.kind, fingerprint=fp, data_addr=self.name, pid=0)
+
+
+@dataclass
+class Client:
+    request_id: str
+    tenant: str
+    prompt: list[int]
+    max_tokens: int
+    outputs: list[RequestOutput] = field(default_factory=list)
+    rejected: str | None = None
+
+    @property
+    def ended(self) -> bool:
+        return self.rejected is not None or any(o.finished for o in self.outputs)
+
+
+class Simulation:
+    def __init__(self, cfg: SimConfig, record: Callable[[dict[str, Any]], None] | None = None) -> None:
+        self.cfg = cfg
+        self.rng = random.Random(cfg.seed)
+        self.time = 0.0
+        self._queue: list[tuple[float, int, str, tuple[Any, ...]]] = []
+        self._seq = itertools.count()
+        self._link_free: dict[tuple[str, str], float] = {}  # control links are FIFO: next free delivery time
+        self._record = record
+        self.events = 0
+        self.faults_spec = cfg.faults
+        self.safety_only = cfg.checks and any(k in cfg.faults for k in BOOKKEEPING_KNOBS)
+        self.router = SimRouter(self, cfg.dead_after_s, self._faults(), tid_prefix=cfg.seed % (1 << 24))
+        self.workers: dict[str, SimWorker] = {}
+        self._names = itertools.count()
+        self._lease_prefixes = itertools.count(1)
+        self.clients: dict[str, Client] = {}
+        for _ in range(cfg.num_prefill):
+            self.start_worker("prefill")
+        for _ in range(cfg.num_decode):
+            self.start_worker("decode")
+        self._schedule(REAP_S, "router_reap", ())
+        self._plan_clients()
+
+    # ---- setup ---------------------------------------------------------------------------------------
+
+    def now(self) -> float:
+        return self.time
+
+    def _faults(self) -> Faults:
+        if not self.faults_spec:
+            return Faults()
+        faults = Faults()
+        for item in self.faults_spec.split(","):
+            name, _, count = item.partition("=")
+            setattr(faults, name, int(count or 1))
+        return faults
+
+    def start_worker(self, kind: str) -> SimWorker:
+        name = f"{kind}{next(self._names)}"
+        pages = self.cfg.prefill_pages if kind == "prefill" else self.cfg.decode_pages
+        engine, runner = make_engine(self.cfg, pages, self._faults(), next(self._lease_prefixes))
+        worker = SimWorker(name, kind, self, engine, runner)
+        self.workers[name] = worker
+        worker.register()
+        self._schedule(self.rng.uniform(*STEP_S), "engine_step", (name,))
+        self._schedule(HEARTBEAT_S, "heartbeat", (name,))
+        return worker
+
+    def _plan_clients(self) -> None:
+        cfg, rng = self.cfg, self.rng
+        for i in range(cfg.num_requests):
+            tenant = "tenant-a" if i % 2 == 0 else "tenant-b"
+            rid = f"s{cfg.seed}-r{i}"
+            prompt = [rng.randrange(3, VOCAB) for _ in range(rng.randint(1, cfg.max_prompt))]
+            self.clients[rid] = Client(rid, tenant, prompt, rng.randint(1, cfg.max_tokens))
+            at = rng.uniform(0.05, cfg.submit_until_s)
+            self._schedule(at, "client_submit", (rid,))
+            if rng.random() < cfg.p_abort:
+                self._schedule(at + rng.uniform(0.0, 0.3), "client_abort", (rid,))
+        for _ in range(cfg.crashes):
+            at = rng.uniform(0.1, cfg.submit_until_s + 0.5)
+            self._schedule(at, "crash", (rng.choice(["prefill", "decode"]),))
+
+    # ---- the network -----------------------------------------------------------------------------------
+
+    def send_control(self, src: str, dst: str, packed: bytes) -> None:
+        at = max(self.time + self.rng.uniform(0.0001, 0.002), self._link_free.get((src, dst), 0.0))
+        self._link_free[(src, dst)] = at
+        self._schedule_at(at, "net_recv", ("control", src, dst, packed))
+
+    def send_data(self, src: str, dst: str, frames: list[bytes]) -> None:
+        cfg, rng = self.cfg, self.rng
+        if rng.random() < cfg.p_drop:
+            self.trace("net_drop", src=src, dst=dst)
+            return
+        for _ in range(2 if rng.random() < cfg.p_dup else 1):
+            self._schedule(rng.uniform(0.0, cfg.max_delay_s), "net_recv", ("data", src, dst, list(frames)))
+
+    # ---- the event loop --------------------------------------------------------------------------------
+
+    def _schedule(self, delay: float, kind: str, args: tuple[Any, ...]) -> None:
+        self._schedule_at(self.time + delay, kind, args)
+
+    def _schedule_at(self, at: float, kind: str, args: tuple[Any, ...]) -> None:
+        heapq.heappush(self._queue, (at, next(self._seq), kind, args))
+
+    def trace(self, ev: str, **fields_: Any) -> None:
+        if self._record is not None:
+            self._record({"t": round(self.time, 6), "ev": ev, **fields_})
+
+    def run(self) -> None:
+        """Run to the horizon, checking the invariants after every event; then check quiescence."""
+        while self._queue and self._queue[0][0] <= self.cfg.horizon_s:
+            at, _, kind, args = heapq.heappop(self._queue)
+            self.time = at
+            self.events += 1
+            touched = self._dispatch(kind, args)
+            if touched is not None:
+                self.check_invariants(kind, touched)
+            if self.time > self.cfg.submit_until_s and self.quiescent():
+                break
+        self.check_quiescence()
+
+    def _dispatch(self, kind: str, args: tuple[Any, ...]) -> SimWorker | None:
+        """Run one event; return the worker whose state it may have changed (None: only the router's)."""
+        if kind == "net_recv":
+            return self._deliver(*args)
+        if kind == "engine_step":
+            return self._step(args[0])
+        if kind == "restart":
+            self.trace("restart", kind=args[0])
+            return self.start_worker(args[0])
+        if kind == "heartbeat":
+            worker = self.workers.get(args[0])
+            if worker is not None and worker.alive:
+                worker.send_control(
+                    "heartbeat", worker=worker.name.encode().hex(), pool_free=worker.engine.pool.num_free
+                )
+                self._schedule(HEARTBEAT_S, "heartbeat", (worker.name,))
+        elif kind == "router_reap":
+            self.trace("router_reap")
+            self.router.reap_dead_workers()
+            self._schedule(REAP_S, "router_reap", ())
+        elif kind == "client_submit":
+            self._submit(args[0])
+        elif kind == "client_abort":
+            self.trace("client_abort", request_id=args[0])
+            self.router.cancel(RequestId(args[0]))
+        elif kind == "crash":
+            live = [w for w in self.workers.values() if w.alive and w.kind == args[0]]
+            if live:
+                self._crash(self.rng.choice(live), "crash")
+        return None
+
+    def _guarded(self, worker: SimWorker, fn: Callable[[], None]) -> None:
+        try:
+            fn()
+        except Crash as exc:
+            self._crash(worker, str(exc))
+
+    def _crash(self, worker: SimWorker, why: str) -> None:
+        self.trace("crash", node=worker.name, why=why)
+        worker.alive = False
+        self._schedule(self.rng.uniform(0.2, 1.0), "restart", (worker.kind,))
+
+    def _deliver(self, plane: str, src: str, dst: str, payload: Any) -> SimWorker | None:
+        if dst == ROUTER:
+            msg = control.unpack(payload)
+            self.trace("net_recv", plane=plane, src=src, dst=dst, op=msg["op"])
+            self.router.on_message(src.encode(), msg)
+            return None
+        worker = self.workers.get(dst)
+        if worker is None or not worker.alive:
+            self.trace("net_lost", plane=plane, src=src, dst=dst)
+            return None
+        if plane == "control":
+            msg = control.unpack(payload)
+            self.trace(
+                "net_recv", plane=plane, src=src, dst=dst, op=msg["op"], request_id=msg.get("request_id")
+            )
+            self._guarded(worker, lambda: worker.on_control(msg))
+        else:
+            message = wire.decode(payload)
+            self.trace("net_recv", plane=plane, src=src, dst=dst, msg=type(message).__name__,
+                       tid=message.transfer_id, index=getattr(message, "index", None))  # fmt: skip
+            self._guarded(worker, lambda: worker.role.on_message(src, message))
+        return worker
+
+    def _step(self, name: str) -> SimWorker | None:
+        worker = self.workers[name]
+        if not worker.alive:
+            return None
+        self._schedule(self.rng.uniform(*STEP_S), "engine_step", (name,))
+        role = worker.role
+        pending = role.out or role.done if isinstance(role, PrefillRole) else cast(DecodeRole, role).incoming
+        if not worker.engine.has_unfinished() and not pending:
+            return None  # nothing to step, nothing that can time out
+        self.trace("engine_step", node=name)
+        self._guarded(worker, role.step)
+        if worker.alive:
+            self._guarded(worker, role.on_tick)
+        return worker
+
+    def _submit(self, rid: str) -> None:
+        client = self.clients[rid]
+        params = SamplingParams(max_tokens=client.max_tokens, temperature=0.0)
+        self.trace("client_submit", request_id=rid, tenant=client.tenant, prompt_len=len(client.prompt))
+        try:
+            self.router.admit(len(client.prompt), params)
+        except (AdmissionError, NoWorkers) as exc:
+            client.rejected = type(exc).__name__
+            return
+        self.router.route(list(client.prompt), params, RequestId(rid), client.tenant, self._on_output)
+
+    def _on_output(self, out: RequestOutput) -> None:
+        client = self.clients[out.request_id]
+        if client.ended:
+            raise Violation(f"{out.request_id}: output after the request ended: {out}")
+        client.outputs.append(out)
+        self.trace("client_output", request_id=out.request_id, finished=out.finished,
+                   error=out.error_code, tokens=list(out.new_token_ids))  # fmt: skip
+        want = [
+            expected_token(out.request_id, len(client.prompt) + i, VOCAB) for i in range(len(out.token_ids))
+        ]
+        if list(out.token_ids) != want:  # never a token that is not the request's own (fail closed)
+            raise Violation(f"OUT: {out.request_id} got tokens {list(out.token_ids)}, expected {want}")
+
+    # ---- invariants ------------------------------------------------------------------------------------
+
+    def live_workers(self) -> Iterator[SimWorker]:
+        return (w for w in self.workers.values() if w.alive)
+
+    def check_invariants(self, after: str, worker: SimWorker) -> None:
+        """The invariants of the one worker an event touched (the others did not change)."""
+        if worker.alive:
+            if worker.runner.foreign_reads:
+                raise Violation(f"I1 (after {after}) on {worker.name}: {worker.runner.foreign_reads[0]}")
+            if self.safety_only:
+                return
+            try:
+                worker.role.check_integrity()
+            except AssertionError as exc:
+                raise Violation(f"integrity (after {after}) on {worker.name}: {exc}") from exc
+
+    def quiescent(self) -> bool:
+        """Every request ended and every live worker idle (called once all submissions are past)."""
+        ended = all(c.ended for c in self.clients.values())
+        return ended and (self.safety_only or all(self._idle(w) for w in self.live_workers()))
+
+    def _idle(self, worker: SimWorker) -> bool:
+        role, engine = worker.role, worker.engine
+        if engine.has_unfinished() or engine.pool.num_free != engine.pool.num_pages:
+            return False
+        if isinstance(role, PrefillRole):
+            return not role.out and not role.done
+        assert isinstance(role, DecodeRole)
+        return not role.incoming and role.rx.num_active == 0
+
+    def check_quiescence(self) -> None:
+        stuck = [c.request_id for c in self.clients.values() if not c.ended]
+        if stuck:
+            raise Violation(f"liveness: requests never ended by t={self.time:.2f}: {stuck}")
+        if self.safety_only:
+            return
+        for worker in self.live_workers():
+            if not self._idle(worker):
+                pool = worker.engine.pool.stats()
+                raise Violation(
+                    f"liveness: {worker.name} not idle at the end: {pool}, {self._leftovers(worker)}"
+                )
+        if self.router._routed:
+            raise Violation(f"liveness: the router still routes {sorted(self.router._routed)}")
+
+    def _leftovers(self, worker: SimWorker) -> str:
+        role = worker.role
+        if isinstance(role, PrefillRole):
+            return f"out={sorted(role.out)} done={sorted(role.done)}"
+        assert isinstance(role, DecodeRole)
+        return f"incoming={sorted(role.incoming)} active={role.rx.num_active}"
+
+    def summary(self) -> dict[str, Any]:
+        outcomes: dict[str, int] = {}
+        for c in self.clients.values():
+            key = c.rejected or next(
+                (o.error_code or o.finish_reason or "?" for o in c.outputs if o.finished), "none"
+            )
+            outcomes[key] = outcomes.get(key, 0) + 1
+        return {
+            "seed": self.cfg.seed,
+            "events": self.events,
+            "time": round(self.time, 3),
+            "outcomes": outcomes,
+        }
+
+
+class SimRouter(RouterCore):
+    def __init__(self, sim: Simulation, dead_after_s: float, faults: Faults, tid_prefix: int) -> None:
+        super().__init__(dead_after_s, faults, clock=sim.now, tid_prefix=tid_prefix)
+        self.sim = sim
+
+    def _send(self, identity: bytes, op: str, **body: Any) -> None:
+        self.sim.send_control(ROUTER, identity.decode(), control.pack(op, **body))
+
+
+def run_seed(
+    seed: int, record: Callable[[dict[str, Any]], None] | None = None, **overrides: Any
+) -> dict[str, Any]:
+    """Run one seeded scenario; raises Violation. Returns a summary."""
+    sim = Simulation(SimConfig.from_seed(seed, **overrides), record)
+    sim.run()
+    return sim.summary()
+
+
+def replay_command(seed: int, **overrides: Any) -> str:
+    extra = "".join(f" --set {k}={json.dumps(v)}" for k, v in overrides.items())
+    return f"python -m kvfence.sim --seed {seed}{extra} --trace sim-{seed}.jsonl"
