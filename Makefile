@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: test serve generate lint typecheck bench model clean
+.PHONY: test serve generate lint typecheck bench model clean browser
 
 $(BIN)/python:
 	$(shell command -v $(PY) >/dev/null 2>&1 && echo $(PY) || echo python3) -m venv $(VENV)
@@ -18,10 +18,14 @@ $(STAMP): pyproject.toml | $(BIN)/python
 model: $(STAMP)
 	$(BIN)/kvfence fetch-model
 
-test: model
+# headless Chromium for the page-map test (tests/test_dashboard.py), installed when missing, as `verify` does spin
+browser:
+	@command -v chromium >/dev/null 2>&1 && command -v chromedriver >/dev/null 2>&1 || (apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y chromium chromium-driver)
+
+test: model browser
 	$(BIN)/ruff check kvfence tests bench
 	$(BIN)/mypy
-	$(BIN)/pytest -q
+	KVFENCE_REQUIRE_BROWSER=1 $(BIN)/pytest -q
 
 serve: model
 	$(BIN)/kvfence serve --mode pd

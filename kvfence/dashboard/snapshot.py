@@ -10,7 +10,8 @@ Page states (`STATES`; the position is the code in `pages.state`):
     free         on the free list
     leased       leased to one live request
     quarantined  released, waiting until no step or transfer can still touch it (I4)
-    shared       read by more than one live request (a sealed prefix-cache page; I7 keeps it in one tenant)
+    sealed       full and read-only (I9); held by any number of one tenant's requests (the prefix cache, I7),
+                 or by none: idle in the cache, evictable, counted as free capacity by the pool
     receiving    reserved by a PD transfer whose frames are still arriving (decode side)
 
 State age: the pool keeps no clock (it is on the hot path), so `PageAges` notes when a snapshot first saw each
@@ -36,15 +37,15 @@ if TYPE_CHECKING:
     from kvfence.server.preflight import PreflightReport
 
 SCHEMA_VERSION = 1
-STATES = ("free", "leased", "quarantined", "shared", "receiving")
-FREE, LEASED, QUARANTINED, SHARED, RECEIVING = range(len(STATES))
+STATES = ("free", "leased", "quarantined", "sealed", "receiving")
+FREE, LEASED, QUARANTINED, SEALED, RECEIVING = range(len(STATES))
 PREVIEW_TOKENS = 24  # how much of a prompt the map shows (admin only, like everything in it)
 PREVIEW_CHARS = 80
 
 
 def _from_pool() -> npt.NDArray[np.uint8]:
     """Pool state code -> map state. A state the pool does not name here shows as leased."""
-    by_name = {"FREE": FREE, "LEASED": LEASED, "QUARANTINED": QUARANTINED, "SEALED": SHARED, "SHARED": SHARED}
+    by_name = {"FREE": FREE, "LEASED": LEASED, "QUARANTINED": QUARANTINED, "SEALED": SEALED}
     table = np.full(max(PageState) + 1, LEASED, dtype=np.uint8)
     for state in PageState:
         table[state] = by_name.get(state.name, LEASED)
@@ -108,7 +109,7 @@ class KvMapper:
         pool, requests = self.engine.pool, self.engine.live_requests()
         index = {r.request_id: i for i, r in enumerate(requests)}
         state = _FROM_POOL[pool.state]
-        request_of = _request_of_page(requests, pool.num_pages, state)
+        request_of, holders = _holders(requests, pool.num_pages)
         transfers = self._transfers(index, state, request_of)
         owner, tag = pool.owner.copy(), pool.tag.copy()
         ages = self.ages.ages_ms(state, owner, time.time())
@@ -118,12 +119,14 @@ class KvMapper:
             "num_pages": pool.num_pages,
             "page_size": pool.page_size,
             "counts": dict(zip(STATES, np.bincount(state, minlength=len(STATES)).tolist(), strict=True)),
+            "num_idle": int(np.count_nonzero((state == SEALED) & (holders == 0))),  # sealed, evictable
             "pages": {
                 "state": _b64(state, "u1"),
                 "request": _b64(request_of, "<i4"),
                 "owner": _b64(owner, "<u8"),
                 "tag": _b64(tag, "<u8"),
                 "age_ms": _b64(ages, "<u4"),
+                "holders": _b64(holders, "<u2"),
             },
             "watching_since": self.ages.watching_since,
             "requests": self._requests(requests),
@@ -196,19 +199,16 @@ class KvMapper:
         }
 
 
-def _request_of_page(
-    requests: list[Request], num_pages: int, state: npt.NDArray[np.uint8]
-) -> npt.NDArray[np.int32]:
-    """Index (into `requests`) of the request holding each page, -1 for none. Pages held by more than one
-    request are marked shared in `state` (in place) and name one of their holders."""
+def _holders(requests: list[Request], num_pages: int) -> tuple[npt.NDArray[np.int32], npt.NDArray[np.uint16]]:
+    """Per page: the index (into `requests`) of a request holding it (-1 for none), and how many hold it (more
+    than one only for a sealed page; a leased page in two block tables is what I1's owner check catches)."""
     counts = np.fromiter((len(r.pages) for r in requests), dtype=np.int64, count=len(requests))
     pages = np.fromiter((p for r in requests for p in r.pages), dtype=np.int64, count=int(counts.sum()))
     holder = np.repeat(np.arange(len(requests), dtype=np.int32), counts)
     request_of = np.full(num_pages, -1, dtype=np.int32)
     request_of[pages] = holder
     refs = np.bincount(pages, minlength=num_pages)
-    state[(refs > 1) & (state == LEASED)] = SHARED
-    return request_of
+    return request_of, np.minimum(refs, np.iinfo(np.uint16).max).astype(np.uint16)
 
 
 def preflight_json(report: PreflightReport) -> dict[str, Any]:
@@ -230,7 +230,7 @@ def _b64(values: npt.NDArray[Any], dtype: str) -> str:
     return base64.b64encode(np.ascontiguousarray(values, dtype=dtype).tobytes()).decode("ascii")
 
 
-_DTYPES = {"state": "u1", "request": "<i4", "owner": "<u8", "tag": "<u8", "age_ms": "<u4"}
+_DTYPES = {"state": "u1", "request": "<i4", "owner": "<u8", "tag": "<u8", "age_ms": "<u4", "holders": "<u2"}
 
 
 def decode_pages(worker: dict[str, Any]) -> dict[str, npt.NDArray[Any]]:

@@ -3,7 +3,7 @@
 Boundary: a client of `GET /debug/kv` (colocated server or PD router) with the admin key, exactly like the
 /dashboard page; it never talks to an engine. Each worker's pool is drawn as rows of cells; when the pool has
 more pages than the screen has cells, one cell stands for a group of pages and shows the most telling state in
-it (integrity failure > quarantined > receiving > shared > leased > free), in its tenant's colour.
+it (integrity failure > quarantined > receiving > sealed > leased > free), in its tenant's colour.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
-from kvfence.dashboard.snapshot import FREE, QUARANTINED, RECEIVING, SHARED, STATES, decode_pages
+from kvfence.dashboard.snapshot import FREE, QUARANTINED, RECEIVING, SEALED, STATES, decode_pages
 
 MAP_ROWS = 8  # at most this many lines of cells per worker
 FAILED = len(STATES)  # a pseudo-state for cells holding a page an integrity check failed on
@@ -83,23 +83,32 @@ def render(snapshot: dict[str, Any], width: int, hues: Hues) -> RenderableType:
 
 
 def _worker_panel(w: dict[str, Any], width: int, hues: Hues) -> Panel:
-    pages = decode_pages(w)
-    cells, per_cell = _cells(w, pages, max(10, width - 4))
-    line = Text()
+    per_row = max(10, width - 4)  # inside the panel's border and padding
+    cells, per_cell = _cells(w, decode_pages(w), per_row)
+    group = "" if per_cell == 1 else f", 1 cell = {per_cell} pages"
+    body = Text(f"{w['num_pages']} pages × {w['page_size']} tokens{group}\n", style="dim")
+    body.append(_counts(w) + "\n", style="dim")
     for i, (state, request) in enumerate(cells):
-        if state in FIXED:
-            line.append(GLYPHS[state], style=FIXED[state])
-        else:
-            tenant = w["requests"][request]["tenant"] if request >= 0 else None
-            glyph = {SHARED: "◆", RECEIVING: "▒"}.get(state, "■")
-            line.append(glyph, style=hues.colour(tenant) if tenant is not None else "white")
-        if (i + 1) % max(10, width - 4) == 0:
-            line.append("\n")
-    counts = " · ".join(f"{s} {w['counts'][s]}" for s in STATES)
+        body.append(*_cell(w, state, request, hues))
+        if (i + 1) % per_row == 0 and i + 1 < len(cells):
+            body.append("\n")
     verdict = (w.get("preflight") or {}).get("verdict", "not reported")
-    group = "" if per_cell == 1 else f" · 1 cell = {per_cell} pages"
-    subtitle = f"{w['num_pages']} pages × {w['page_size']} tokens{group} · {counts}"
-    return Panel(line, title=f"{w['name']} ({w['role']}) · preflight {verdict}", subtitle=subtitle)
+    return Panel(body, title=f"{w['name']} ({w['role']}) · preflight {verdict}", title_align="left")
+
+
+def _counts(w: dict[str, Any]) -> str:
+    counts = [f"{s} {w['counts'][s]}" for s in STATES]
+    counts[SEALED] += f" ({w['num_idle']} idle)" if w.get("num_idle") else ""
+    return " · ".join(counts)
+
+
+def _cell(w: dict[str, Any], state: int, request: int, hues: Hues) -> tuple[str, str]:
+    """(glyph, style) of one cell: fixed for free, quarantined and failed pages, else the tenant's colour."""
+    if state in FIXED:
+        return GLYPHS[state], FIXED[state]
+    if request < 0:  # held by no live request: an idle sealed page in the prefix cache
+        return ("◇", "grey62") if state == SEALED else ("■", "white")
+    return {SEALED: "◆", RECEIVING: "▒"}.get(state, "■"), hues.colour(w["requests"][request]["tenant"])
 
 
 def _cells(
@@ -152,14 +161,25 @@ def _failures(workers: list[dict[str, Any]]) -> Table:
         ((f, w["name"]) for w in workers for f in w["integrity_failures"]), key=lambda x: -x[0]["time"]
     )
     for f, name in rows:
-        check = f"transfer: {f.get('reason')}" if f.get("kind") == "transfer" else f"I1 {f.get('kind')}"
         page = "–" if f.get("page") is None else str(f["page"])
         when = time.strftime("%H:%M:%S", time.localtime(f["time"]))
+        expected = f.get("expected_tag") or f.get("expected_digest") or "–"
+        found = f.get("found_tag") or f.get("found_digest") or "–"
         table.add_row(
-            when, name, f["request_id"], f["tenant"], page, check,
-            f.get("expected_tag") or "–", f.get("found_tag") or "–", style="red",
+            when, name, f.get("request_id") or "–", f.get("tenant") or "–", page, _check(f), expected, found,
+            style="red",
         )  # fmt: skip
     return table
+
+
+def _check(failure: dict[str, Any]) -> str:
+    kind = failure.get("kind")
+    if kind == "transfer":
+        return f"transfer: {failure.get('reason')}"
+    if kind:
+        return f"I1 {kind}"
+    where = failure.get("where")  # a prefix-cache digest canary, or another check that names no request
+    return str(failure.get("event", "failure")) + (f" ({where})" if where else "")
 
 
 def _preflight(workers: list[dict[str, Any]]) -> Table:

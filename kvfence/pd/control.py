@@ -6,6 +6,7 @@ router -> decode   expect {request_id, transfer_id, prompt_ids, params, tenant, 
 router -> worker   abort {request_id} | shutdown
 decode -> router   output {RequestOutput fields}
 worker -> router   error {request_id, code, message, status}      (admission failures, prefill failures)
+router -> worker   debug_kv {nonce}; worker -> router debug_kv {nonce, snapshot}   (the KV page map)
 """
 
 from __future__ import annotations

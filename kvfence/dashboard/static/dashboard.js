@@ -6,15 +6,16 @@
 
 (() => {
   const POLL_MS = 500; // at most two snapshots a second, and none while the tab is hidden
-  const STATES = ["free", "leased", "quarantined", "shared", "receiving"];
-  const [FREE, LEASED, QUARANTINED, SHARED, RECEIVING] = [0, 1, 2, 3, 4];
+  const STATES = ["free", "leased", "quarantined", "sealed", "receiving"];
+  const [FREE, LEASED, QUARANTINED, SEALED, RECEIVING] = [0, 1, 2, 3, 4];
   const STATE_HELP = {
     free: "on the free list",
     leased: "leased to one request (tenant hue)",
     quarantined: "released; waits until nothing can touch it (I4)",
-    shared: "sealed, read by several requests of one tenant",
+    sealed: "full and read-only (I9), shared by the requests of one tenant (prefix cache)",
     receiving: "PD transfer in flight into it",
   };
+  const IDLE = "#b4bfd2"; // a sealed page no request holds: idle in the prefix cache, evictable
   const KEY_ITEM = "kvfence-admin-key";
   const $ = (id) => document.getElementById(id);
   const hues = new Map(); // tenant -> hue, in order of first sight: stable while the tab lives
@@ -66,6 +67,7 @@
   }
 
   function colour(state, tenant) {
+    if (state === SEALED && tenant === null) return IDLE;
     if (state !== FREE && state !== QUARANTINED && tenant === null) return "#8a94a6"; // no live owner listed
     return shade(state, tenant === null ? 0 : hueOf(tenant));
   }
@@ -73,7 +75,7 @@
   function shade(state, hue) {
     if (state === FREE) return "#e3e6eb";
     if (state === QUARANTINED) return "#3b3f47";
-    if (state === SHARED) return `hsl(${hue}, 70%, 30%)`;
+    if (state === SEALED) return `hsl(${hue}, 70%, 30%)`;
     if (state === RECEIVING) return `hsl(${hue}, 70%, 75%)`;
     return `hsl(${hue}, 70%, 47%)`;
   }
@@ -95,6 +97,7 @@
       owner: new BigUint64Array(bytes(p.owner).buffer),
       tag: new BigUint64Array(bytes(p.tag).buffer),
       age: new Uint32Array(bytes(p.age_ms).buffer),
+      holders: new Uint16Array(bytes(p.holders).buffer),
     };
   }
 
@@ -103,6 +106,9 @@
     const r = w.pages.request[page];
     return r >= 0 ? w.requests[r].tenant : null;
   };
+
+  const clip = (text, n) => (text.length > n ? `${text.slice(0, n - 1)}…` : text);
+  const shortId = (id) => (id.length > 22 ? `${id.slice(0, 13)}…${id.slice(-4)}` : id);
 
   function age(ms) {
     if (ms < 1000) return `${ms} ms`;
@@ -188,7 +194,8 @@
       el(
         "p",
         { className: "counts" },
-        `${w.num_pages} pages × ${w.page_size} tokens · ` + STATES.map((s) => `${s} ${c[s]}`).join(" · "),
+        `${w.num_pages} pages × ${w.page_size} tokens · ` +
+          STATES.map((s, i) => `${s} ${c[s]}` + (i === SEALED && w.num_idle ? ` (${w.num_idle} idle)` : "")).join(" · "),
       ),
     ];
   }
@@ -207,9 +214,13 @@
     }
     const r = w.pages.request[page];
     const request = r >= 0 ? w.requests[r] : null;
+    const state = w.pages.state[page];
+    const holders = w.pages.holders[page];
+    const held =
+      state === SEALED && holders === 0 ? ", idle in the prefix cache" : holders > 1 ? `, held by ${holders} requests` : "";
     tip.textContent = [
       `page ${page} · ${w.name}`,
-      `state     ${STATES[w.pages.state[page]]} for ${age(w.pages.age[page])}`,
+      `state     ${STATES[state]}${held}, for ${age(w.pages.age[page])}`,
       `request   ${request ? `${request.id} (${request.phase})` : "none"}`,
       `tenant    ${request ? request.tenant : "none"}`,
       `lease id  ${hex(w.pages.owner[page])}`,
@@ -240,10 +251,10 @@
             "tr",
             { dataset: { request: r.id, tenant: r.tenant } },
             el("td", {}, w.name),
-            el("td", { className: "mono" }, r.id),
+            el("td", { className: "mono", title: r.id }, shortId(r.id)),
             el("td", {}, swatch, " ", r.tenant),
             el("td", {}, r.phase),
-            el("td", { className: "mono", title: ranges(pages[i]) }, `${pages[i].length}: ${ranges(pages[i]) || "–"}`),
+            el("td", { className: "mono", title: ranges(pages[i]) }, `${pages[i].length}: ${clip(ranges(pages[i]) || "–", 24)}`),
             el("td", {}, tokens),
             el("td", { className: "preview", title: r.preview }, r.preview),
           ),
@@ -264,7 +275,7 @@
             { dataset: { transfer: t.transfer_id } },
             el("td", {}, w.name),
             el("td", { className: "mono" }, t.transfer_id),
-            el("td", { className: "mono" }, t.request_id),
+            el("td", { className: "mono", title: t.request_id }, shortId(t.request_id)),
             el("td", {}, bar, ` ${t.received} / ${t.expected}`),
           ),
         );
@@ -284,6 +295,12 @@
     return notes.join(" · ");
   }
 
+  function failureCheck(f) {
+    if (f.kind === "transfer") return `transfer: ${f.reason ?? "failed"}`;
+    if (f.kind) return `I1 ${f.kind}`;
+    return `${f.event ?? "failure"}${f.where ? ` (${f.where})` : ""}`; // e.g. a prefix-cache digest canary
+  }
+
   function failureRows(list) {
     const all = [];
     for (const w of list) for (const f of w.integrity_failures) all.push([w, f]);
@@ -291,15 +308,15 @@
     return all.map(([w, f]) =>
       el(
         "tr",
-        { dataset: { page: f.page ?? "", request: f.request_id } },
+        { dataset: { page: f.page ?? "", request: f.request_id ?? "" } },
         el("td", {}, new Date(f.time * 1000).toLocaleTimeString()),
         el("td", {}, w.name),
-        el("td", { className: "mono" }, f.request_id),
-        el("td", {}, f.tenant),
+        el("td", { className: "mono", title: f.request_id ?? "" }, f.request_id ? shortId(f.request_id) : "–"),
+        el("td", {}, f.tenant ?? "–"),
         el("td", { className: "mono" }, f.page ?? "–"),
-        el("td", {}, f.kind === "transfer" ? `transfer: ${f.reason ?? "failed"}` : `I1 ${f.kind}`),
-        el("td", { className: "mono" }, f.expected_tag ?? "–"),
-        el("td", { className: "mono" }, f.found_tag ?? "–"),
+        el("td", {}, failureCheck(f)),
+        el("td", { className: "mono" }, f.expected_tag ?? f.expected_digest ?? "–"),
+        el("td", { className: "mono" }, f.found_tag ?? f.found_digest ?? "–"),
       ),
     );
   }
@@ -326,6 +343,7 @@
         const swatch = el("span", { className: "swatch", style: { background: shade(i, 210) } });
         return el("li", { title: STATE_HELP[s], dataset: { state: s } }, swatch, s);
       }),
+      el("li", { title: STATE_HELP.sealed }, el("span", { className: "swatch", style: { background: IDLE } }), "sealed, idle"),
       el("li", { title: "an integrity check failed on this page" }, el("span", { className: "swatch failed" }), "integrity failure"),
     );
     const pages = new Map();
@@ -382,12 +400,21 @@
     setStatus("the page map needs the admin key (kvfence serve --admin-key)", true);
   }
 
-  async function poll() {
+  let generation = 0; // one polling loop at a time: a new key starts a new loop and ends the old one
+
+  function start() {
+    generation += 1;
+    poll(generation);
+  }
+
+  async function poll(loop) {
+    if (loop !== generation) return;
     if (!key) return askForKey("");
     if (!document.hidden) {
       const t0 = performance.now();
       try {
         const response = await fetch("debug/kv", { headers: { Authorization: `Bearer ${key}` }, cache: "no-store" });
+        if (loop !== generation) return;
         if (response.status === 401) {
           key = null;
           sessionStorage.removeItem(KEY_ITEM);
@@ -399,16 +426,24 @@
         setStatus(`${error.message}; retrying`, true);
       }
     }
-    setTimeout(poll, POLL_MS);
+    setTimeout(() => poll(loop), POLL_MS);
+  }
+
+  function useKey(value) {
+    key = value;
+    $("key-form").hidden = true;
+    $("key-message").textContent = "";
+    start();
   }
 
   $("key-form").addEventListener("submit", (event) => {
     event.preventDefault();
-    key = $("key-input").value;
-    sessionStorage.setItem(KEY_ITEM, key);
-    $("key-form").hidden = true;
-    $("key-message").textContent = "";
-    poll();
+    sessionStorage.setItem(KEY_ITEM, $("key-input").value);
+    useKey($("key-input").value);
   });
-  poll();
+  window.addEventListener("hashchange", () => {
+    const value = takeKey();
+    if (value && value !== key) useKey(value);
+  });
+  start();
 })();
