@@ -24,7 +24,7 @@ class Faults:
     drop_write: int = 0
     # PD prefill believes the prompt is one page (the 2026 incident's 1-token placeholder) and says so.
     placeholder_prefill: int = 0
-    # PD: one byte of one page frame's payload is flipped in flight.
+    # PD: one page frame's payload is garbled in flight (a bit flipped in every byte).
     corrupt_frame: int = 0
     # PD decode: a timed-out transfer's pages are freed without revoking the transfer (late frames still land).
     free_on_timeout: int = 0
@@ -34,6 +34,10 @@ class Faults:
     stale_frame: int = 0
     # PD prefill worker: the process exits abruptly after sending its first page frame (kill -9 mid-transfer).
     die_mid_transfer: int = 0
+
+    # Prefix cache: the next request's cache keys leave out its tenant, so its pages are shared with every tenant
+    # (the historical cross-tenant prefix-cache bug, a time-to-first-token side channel and a KV leak).
+    shared_prefix_cache: int = 0
 
     def fire(self, name: str) -> bool:
         """Consume one shot of knob `name`; True if the fault should happen now."""
@@ -51,10 +55,15 @@ class Faults:
     def from_env(cls) -> Faults:
         """KVFENCE_FAULTS="double_lease=1,drop_write=2" arms knobs in a server process (debug/test only)."""
         faults = cls()
-        spec = os.environ.get("KVFENCE_FAULTS", "")
-        for item in filter(None, (s.strip() for s in spec.split(","))):
-            name, _, count = item.partition("=")
-            if name not in {f.name for f in fields(cls)}:
-                raise ValueError(f"unknown fault knob {name!r} in KVFENCE_FAULTS")
-            setattr(faults, name, int(count or 1))
+        faults.arm(os.environ.get("KVFENCE_FAULTS", ""))
         return faults
+
+    def arm(self, spec: str) -> None:
+        """Add shots from a spec like "double_lease=1,drop_write=2" (a bare name is one shot)."""
+        items = [(name, int(count or 1)) for name, _, count in
+                 (s.strip().partition("=") for s in spec.split(",") if s.strip())]  # fmt: skip
+        for name, _ in items:
+            if name not in {f.name for f in fields(self)}:
+                raise ValueError(f"unknown fault knob {name!r}")
+        for name, count in items:
+            setattr(self, name, getattr(self, name) + count)

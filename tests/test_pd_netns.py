@@ -5,16 +5,13 @@ from __future__ import annotations
 
 import contextlib
 import os
-import queue
 import shutil
 import subprocess
-import sys
 
 import pytest
 
 from kvfence.engine.request import SamplingParams
-from kvfence.pd.router import Router
-from tests.test_pd_zmq import colocated_reference, jobs_for
+from tests.pd_cluster import audit_clean, collect, colocated_reference, jobs_for, start_cluster
 
 NS = f"kvf-prefill-{os.getpid()}"
 HOST_A, HOST_B = "10.77.0.1", "10.77.0.2"  # A: router + decode (root namespace); B: prefill (NS)
@@ -51,34 +48,11 @@ def test_prefill_and_decode_on_two_hosts(tiny_dir, tiny_model):
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     expected = colocated_reference(tiny_model, jobs, params)
     with namespace():
-        router = Router(bind=f"tcp://{HOST_A}:0")
-        common = ["--model", str(tiny_dir), "--router", router.addr, "--threads", "1", "--page-size", "4",
-                  "--kv-pages", "64"]  # fmt: skip
-        procs = [
-            subprocess.Popen(["ip", "netns", "exec", NS, sys.executable, "-m", "kvfence.pd.cli", "prefill", *common,
-                              "--data", f"tcp://{HOST_B}:0"]),
-            subprocess.Popen([sys.executable, "-m", "kvfence.pd.cli", "decode", *common]),
-        ]  # fmt: skip
-        try:
-            for _ in range(120):
-                if router.wait_for_workers(1, 1, timeout=1.0):
-                    break
-                assert all(p.poll() is None for p in procs), "a worker exited before registering"
+        netns = ["ip", "netns", "exec", NS]
+        with start_cluster(tiny_dir, netns_prefill=netns, bind=f"tcp://{HOST_A}:0", prefill_data=f"tcp://{HOST_B}:0",
+                           decode_pages=64) as router:  # fmt: skip
             prefill = next(w for w in router.workers.values() if w.role == "prefill")
             assert prefill.data_addr.startswith(f"tcp://{HOST_B}:"), prefill.data_addr
-            outputs: queue.Queue = queue.Queue()
-            for rid, ids in jobs.items():
-                router.submit(ids, params, rid, "t", outputs.put)
-            final = {}
-            while len(final) < len(jobs):
-                out = outputs.get(timeout=120)
-                if out.finished:
-                    final[out.request_id] = out
-            assert {k: v.token_ids for k, v in final.items()} == expected
-        finally:
-            router.shutdown()
-            for p in procs:
-                try:
-                    p.wait(timeout=30)
-                except subprocess.TimeoutExpired:
-                    p.kill()
+            got = collect(router, jobs, params)
+            audit_clean(router)
+    assert {k: v.token_ids for k, v in got.items()} == expected

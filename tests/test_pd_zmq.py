@@ -3,82 +3,24 @@ as subprocesses talking ZeroMQ over TCP on loopback, on the tiny model. Output m
 
 from __future__ import annotations
 
-import contextlib
 import os
 import queue
 import random
 import signal
-import subprocess
-import sys
 import time
 
 import pytest
 
 from kvfence.engine.errors import ContextLengthExceeded
 from kvfence.engine.request import SamplingParams
-from kvfence.pd.router import Router
 from tests.conftest import make_engine, run_all
-
-
-@contextlib.contextmanager
-def start_cluster(tiny_dir, prefill_faults: str = "", num_decode: int = 1, dead_after_s: float = 3.0):
-    router = Router(dead_after_s=dead_after_s)
-    common = ["--model", str(tiny_dir), "--router", router.addr, "--threads", "1", "--page-size", "4"]
-    env = {**os.environ, "KVFENCE_FAULTS": prefill_faults}
-    procs = [
-        subprocess.Popen([sys.executable, "-m", "kvfence.pd.cli", "prefill", *common, "--kv-pages", "64",
-                          "--transfer-window", "2"], env=env),
-    ]  # fmt: skip
-    procs += [
-        subprocess.Popen([sys.executable, "-m", "kvfence.pd.cli", "decode", *common, "--kv-pages", "96"])
-        for _ in range(num_decode)
-    ]
-    try:
-        for _ in range(120):  # wait for registration, but fail at once if a worker died
-            if router.wait_for_workers(1, num_decode, timeout=1.0):
-                break
-            assert all(p.poll() is None for p in procs), "a worker exited before registering"
-        else:
-            pytest.fail("workers did not register")
-        yield router
-    finally:
-        router.shutdown()
-        for p in procs:
-            try:
-                p.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                p.kill()
+from tests.pd_cluster import collect, colocated_reference, jobs_for, start_cluster
 
 
 @pytest.fixture(scope="module")
 def cluster(tiny_dir):
     with start_cluster(tiny_dir) as router:
         yield router
-
-
-def jobs_for(model, n: int, seed: int) -> dict[str, list[int]]:
-    rng = random.Random(seed)
-    vocab = model.config.vocab_size
-    return {f"r{i}": [rng.randrange(3, vocab) for _ in range(rng.randint(5, 30))] for i in range(n)}
-
-
-def colocated_reference(model, jobs, params) -> dict:
-    engine = make_engine(model)
-    for rid, ids in jobs.items():
-        engine.add_request(ids, params, request_id=rid)
-    return {k: v.token_ids for k, v in run_all(engine).items()}
-
-
-def collect(router: Router, jobs: dict[str, list[int]], params: SamplingParams) -> dict:
-    outputs: queue.Queue = queue.Queue()
-    for rid, ids in jobs.items():
-        router.submit(ids, params, rid, "tenant-a", outputs.put)
-    final = {}
-    while len(final) < len(jobs):
-        out = outputs.get(timeout=120)
-        if out.finished:
-            final[out.request_id] = out
-    return final
 
 
 def test_pd_over_zeromq_equals_colocated(cluster, tiny_model):

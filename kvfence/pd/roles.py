@@ -8,7 +8,8 @@ engine on one thread as it requires.
 
 Prefill: admit (I5) -> prefill to the first token -> hand-off -> a ticket from decode -> TransferSender streams
          I1-checked page reads -> ReleaseLocal. Aborts and timeouts end it at any point; an abort that comes
-         before the sender exists is remembered (a tombstone), so a late ticket is refused.
+         before the sender exists is remembered (a tombstone of its transfer id, which the router sends
+         with the request), so a late ticket is refused.
 Decode:  admit (I5) -> reserve leases, send the ticket -> TransferReceiver validates every frame (I2), count and
          digest (I3) -> the request adopts the pages and decodes. Timeouts and aborts revoke (I4).
 """
@@ -50,7 +51,9 @@ class Transport(Protocol):
 
 
 def _flip(payload: bytes) -> bytes:
-    return bytes([payload[0] ^ 0x01]) + payload[1:]
+    """The corrupt_frame knob: one bit flipped in every byte of the frame (exponents included), so the damage
+    always changes a model's output, as a garbled frame would."""
+    return bytes(x ^ 0x40 for x in payload)
 
 
 class Role:
@@ -134,12 +137,13 @@ class PrefillRole(Role):
         self.transfer_timeout_s = transfer_timeout_s
         self.out: dict[RequestId, _Outgoing] = {}  # by request id, from ticket to release
         self.done: dict[RequestId, tuple[Request, float]] = {}  # prefilled, ticket not here yet (since when)
-        self.tombstones: OrderedDict[RequestId, None] = OrderedDict()  # aborted: a late ticket is refused
+        self.tids: dict[RequestId, TransferId] = {}  # the transfer id the router gave each admitted request
+        self.tombstones: OrderedDict[TransferId, None] = OrderedDict()  # aborted: a late ticket is refused
         self.first_logprobs: dict[RequestId, tuple[float, tuple[tuple[int, float], ...]]] = {}
 
     def on_request(self, msg: dict[str, Any]) -> None:
-        if msg["op"] == "prefill":
-            self.admit(msg)
+        if msg["op"] == "prefill" and self.admit(msg) is not None:
+            self.tids[RequestId(msg["request_id"])] = TransferId(msg["transfer_id"])
 
     def admit_request(self, msg: dict[str, Any], params: Any) -> Request:
         return self.engine.add_request(
@@ -165,7 +169,7 @@ class PrefillRole(Role):
 
     def _on_ticket(self, peer: Any, ticket: Ticket) -> None:
         rid = ticket.request_id
-        if rid in self.tombstones:  # aborted before its ticket came: tell decode to let go
+        if ticket.transfer_id in self.tombstones:  # aborted before its ticket came: tell decode to let go
             self.transport.send_data(peer, Abort(ticket.transfer_id, "aborted"))
         elif rid in self.out:  # a duplicate ticket never replaces a running sender
             log.warning("ignored a second ticket for request %s (transfer %s)", rid, ticket.transfer_id)
@@ -184,7 +188,10 @@ class PrefillRole(Role):
 
     def _tombstone(self, rid: RequestId) -> None:
         self.first_logprobs.pop(rid, None)
-        self.tombstones[rid] = None
+        tid = self.tids.pop(rid, None)
+        if tid is None:
+            return
+        self.tombstones[tid] = None
         while len(self.tombstones) > TOMBSTONES:
             self.tombstones.popitem(last=False)
 
@@ -273,6 +280,7 @@ class PrefillRole(Role):
             elif isinstance(action, ReleaseLocal):
                 self.engine.finish_transfer(rid)  # copying sends: every frame is out of our pages already
                 del self.out[rid]
+                self.tids.pop(rid, None)
 
     def die(self) -> None:
         """The die_mid_transfer fault: the process ends at once (the simulator overrides this)."""

@@ -132,7 +132,7 @@ class RouterCore:
         tid = self._last_tid if self._last_tid and self.faults.fire("reuse_transfer_id") else next(self._tids)
         self._last_tid = tid
         self._send(d.identity, "expect", transfer_id=tid, prefill_addr=p.data_addr, **body)
-        self._send(p.identity, "prefill", **body)
+        self._send(p.identity, "prefill", transfer_id=tid, **body)
 
     def cancel(self, rid: RequestId) -> None:
         """The client went away: both sides abort the request (by request id)."""
@@ -271,13 +271,22 @@ class Router(RouterCore):
 
     # ---- any thread -------------------------------------------------------------------------------------
 
-    def wait_for_workers(self, num_prefill: int, num_decode: int, timeout: float) -> bool:
+    def wait_for_workers(
+        self, num_prefill: int, num_decode: int, timeout: float, alive: Callable[[], bool] = lambda: True
+    ) -> bool:
+        """Wait until enough workers of each role registered; False on timeout, or as soon as `alive()` turns
+        False (the launcher's "a worker process exited"), checked once a second."""
+
         def ready() -> bool:
             roles = [w.role for w in list(self.workers.values())]
             return roles.count("prefill") >= num_prefill and roles.count("decode") >= num_decode
 
+        deadline = time.monotonic() + timeout
         with self._registered:
-            return self._registered.wait_for(ready, timeout)
+            while not self._registered.wait_for(ready, min(1.0, max(0.0, deadline - time.monotonic()))):
+                if not alive() or time.monotonic() >= deadline:
+                    return False
+            return True
 
     def submit(
         self, prompt_ids: list[int], params: SamplingParams, request_id: str, tenant: str, on_output: OnOutput
@@ -301,6 +310,10 @@ class Router(RouterCore):
         its engine steps. Returns (one dict per worker with role/pid/ok/error/num_pages/num_free, late)."""
         answers, late = self.ask("check", timeout)
         return [{**msg, "role": w.role, "pid": w.pid} for w, msg in answers], late
+
+    def arm(self, identity: bytes, spec: str) -> None:
+        """Arm fault knobs on one worker (debug/test only; the worker obeys only with KVFENCE_FAULT_ARMING=1)."""
+        self._post(lambda: self._send(identity, "arm", spec=spec))
 
     def ask(self, op: str, timeout: float) -> tuple[list[tuple[WorkerInfo, dict[str, Any]]], list[str]]:
         """Send `op` to every registered worker and wait up to `timeout` s for their answers."""

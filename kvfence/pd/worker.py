@@ -142,6 +142,16 @@ class Worker:
             self.send_control("debug_kv", nonce=msg.get("nonce"), snapshot=self.kv_map().snapshot())
         elif op == "check":  # the router's integrity audit (tests, operators): between two engine steps
             self.send_control("checked", nonce=msg.get("nonce"), **self.audit())
+        elif op == "arm":  # fault injection at run time, only where the operator allowed it (tests, drills)
+            if os.environ.get("KVFENCE_FAULT_ARMING") == "1":
+                self.engine.faults.arm(msg["spec"])
+                log.warning("%s worker: fault knobs armed by the router: %s", self.role.name, msg["spec"])
+            else:
+                log.error(
+                    "%s worker: refused to arm %s (KVFENCE_FAULT_ARMING is not 1)",
+                    self.role.name,
+                    msg["spec"],
+                )
         elif op != "ping":
             self.role.on_control(msg)
 

@@ -1,0 +1,107 @@
+"""A PD cluster for tests: a router in this process, prefill and decode workers as real subprocesses talking
+ZeroMQ over TCP on loopback. Not a test module."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import queue
+import random
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Sequence
+
+import pytest
+
+from kvfence.engine.request import SamplingParams
+from kvfence.pd.router import Router
+from tests.conftest import make_engine, run_all
+
+
+@contextlib.contextmanager
+def start_cluster(
+    tiny_dir,
+    *,
+    num_prefill: int = 1,
+    num_decode: int = 1,
+    prefill_faults: str = "",
+    checks: bool = True,
+    dead_after_s: float = 3.0,
+    prefill_pages: int = 64,
+    decode_pages: int = 96,
+    transfer_timeout_s: float = 20.0,
+    window: int = 2,
+    netns_prefill: Sequence[str] = (),
+    bind: str = "tcp://127.0.0.1:0",
+    prefill_data: str | None = None,
+) -> Iterator[Router]:
+    """`netns_prefill`: a command prefix (ip netns exec NS) to run the prefill workers on another host."""
+    router = Router(bind=bind, dead_after_s=dead_after_s)
+    common = ["--model", str(tiny_dir), "--router", router.addr, "--threads", "1", "--page-size", "4",
+              "--transfer-timeout", str(transfer_timeout_s)]  # fmt: skip
+    common += [] if checks else ["--no-integrity-checks"]
+    env = {**os.environ, "KVFENCE_FAULTS": prefill_faults, "KVFENCE_FAULT_ARMING": "1"}
+    worker = [sys.executable, "-m", "kvfence.pd.cli"]
+    prefill = [*netns_prefill, *worker, "prefill", *common, "--kv-pages", str(prefill_pages),
+               "--transfer-window", str(window)]  # fmt: skip
+    prefill += ["--data", prefill_data] if prefill_data else []
+    procs = [subprocess.Popen(prefill, env=env) for _ in range(num_prefill)]
+    decode = [*worker, "decode", *common, "--kv-pages", str(decode_pages)]
+    procs += [subprocess.Popen(decode, env={**env, "KVFENCE_FAULTS": ""}) for _ in range(num_decode)]
+    try:
+        alive = lambda: all(p.poll() is None for p in procs)  # noqa: E731
+        if not router.wait_for_workers(num_prefill, num_decode, 120, alive=alive):
+            pytest.fail("workers did not register (or one exited)")
+        yield router
+    finally:
+        router.shutdown()
+        for p in procs:
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+def jobs_for(model, n: int, seed: int, prefix: str = "r") -> dict[str, list[int]]:
+    rng = random.Random(seed)
+    vocab = model.config.vocab_size
+    return {f"{prefix}{i}": [rng.randrange(3, vocab) for _ in range(rng.randint(5, 30))] for i in range(n)}
+
+
+def colocated_reference(model, jobs, params) -> dict:
+    engine = make_engine(model)
+    for rid, ids in jobs.items():
+        engine.add_request(ids, params, request_id=rid)
+    return {k: v.token_ids for k, v in run_all(engine).items()}
+
+
+def collect(
+    router: Router, jobs: dict[str, list[int]], params: SamplingParams, tenant: str = "tenant-a"
+) -> dict:
+    """Submit every job at once; return each request's final output."""
+    outputs: queue.Queue = queue.Queue()
+    for rid, ids in jobs.items():
+        router.submit(ids, params, rid, tenant, outputs.put)
+    final = {}
+    while len(final) < len(jobs):
+        out = outputs.get(timeout=120)
+        if out.finished:
+            final[out.request_id] = out
+    return final
+
+
+def audit_clean(router: Router, within_s: float = 30.0) -> None:
+    """Every worker's pool, engine and transfer invariants hold, and every page is free again (aborts may still
+    be on their way when the client has its answer, so this polls until it holds or `within_s` passes)."""
+    deadline = time.monotonic() + within_s
+    while True:
+        reports, late = router.audit(timeout=30)
+        assert not late and reports, late
+        for r in reports:
+            assert r["ok"], f"{r['role']} worker {r['pid']}: {r['error']}"
+        leaking = [r for r in reports if r["num_free"] != r["num_pages"]]
+        if not leaking:
+            return
+        assert time.monotonic() < deadline, f"pages not free after {within_s} s: {leaking}"
+        time.sleep(0.1)  # poll interval
