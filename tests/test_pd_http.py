@@ -8,6 +8,7 @@ allocated anywhere, while normal prompts get the same greedy output as colocated
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import random
 import socket
@@ -29,12 +30,17 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+KEYS = {"key-a": "tenant-a", "key-b": "tenant-b"}
+
+
 @pytest.fixture(scope="module")
-def pd_server(tiny_dir):
+def pd_server(tiny_dir, tmp_path_factory):
     port = free_port()
+    keys = tmp_path_factory.mktemp("keys") / "keys.json"
+    keys.write_text(json.dumps(KEYS))
     cmd = [sys.executable, "-m", "kvfence", "serve", "--mode", "pd", "--model", str(tiny_dir), "--port", str(port),
            "--page-size", "4", "--prefill-kv-pages", "32", "--decode-kv-pages", "96", "--allow-undersized-pool",
-           "--threads", "2"]  # fmt: skip
+           "--threads", "2", "--api-keys", str(keys)]  # fmt: skip
     proc = subprocess.Popen(cmd, env={**os.environ, "KVFENCE_FAULTS": ""})
     base = f"http://127.0.0.1:{port}"
     try:
@@ -49,7 +55,7 @@ def pd_server(tiny_dir):
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout=0.5)  # the poll interval, cut short only if the server exits
                 pytest.fail("kvfence serve --mode pd exited")
-        yield OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0)
+        yield OpenAI(base_url=f"{base}/v1", api_key="key-a", max_retries=0, timeout=120)
     finally:
         proc.terminate()
         try:
@@ -88,3 +94,50 @@ def test_over_pool_prompt_is_refused_by_the_router(pd_server, tiny_dir):
     assert "32 pages" in exc.value.message
     ok = pd_server.completions.create(model=tiny_dir.name, prompt=[5] * 20, max_tokens=4, temperature=0)
     assert ok.choices[0].finish_reason in ("length", "stop")
+
+
+def test_pd_http_n_greater_than_one_and_two_tenants_at_once(pd_server, tiny_model, tiny_dir):
+    """n=3 choices in PD mode (each its own transfer), and both tenants' requests concurrently, streaming and
+    not: every answer equals colocated greedy output, and each tenant sees only its own requests' text."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    rng = random.Random(33)
+    prompts = [
+        [rng.randrange(3, tiny_model.config.vocab_size) for _ in range(rng.randint(5, 40))] for _ in range(8)
+    ]
+    engine = make_engine(tiny_model)
+    for i, p in enumerate(prompts):
+        engine.add_request(
+            p, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True), request_id=f"r{i}"
+        )
+    expected = run_all(engine)
+    model = tiny_dir.name
+    clients = {k: pd_server.with_options(api_key=k) for k in KEYS}
+
+    def ask(i: int) -> str:
+        client = clients["key-a" if i % 2 == 0 else "key-b"]
+        if i % 4 == 3:
+            stream = client.completions.create(model=model, prompt=prompts[i], max_tokens=6, temperature=0,
+                                               stream=True, extra_body={"ignore_eos": True})  # fmt: skip
+            return "".join(c.choices[0].text for c in stream if c.choices)
+        out = client.completions.create(model=model, prompt=prompts[i], max_tokens=6, temperature=0,
+                                        extra_body={"ignore_eos": True})  # fmt: skip
+        return out.choices[0].text
+
+    with ThreadPoolExecutor(8) as pool:
+        texts = list(pool.map(ask, range(len(prompts))))
+    assert texts == [expected[f"r{i}"].text for i in range(len(prompts))]
+    multi = clients["key-b"].completions.create(model=model, prompt=prompts[0], max_tokens=6, temperature=0, n=3,
+                                                extra_body={"ignore_eos": True})  # fmt: skip
+    assert [c.index for c in multi.choices] == [0, 1, 2]
+    assert all(c.text == expected["r0"].text for c in multi.choices)
+    assert multi.usage.completion_tokens == 18
+
+
+def test_pd_http_refuses_unknown_keys(pd_server, tiny_dir):
+    from openai import AuthenticationError
+
+    with pytest.raises(AuthenticationError):
+        pd_server.with_options(api_key="nope").completions.create(
+            model=tiny_dir.name, prompt=[5, 6], max_tokens=2
+        )
