@@ -35,13 +35,14 @@ def start_cluster(
     netns_prefill: Sequence[str] = (),
     bind: str = "tcp://127.0.0.1:0",
     prefill_data: str | None = None,
+    env: dict[str, str] | None = None,
 ) -> Iterator[Router]:
     """`netns_prefill`: a command prefix (ip netns exec NS) to run the prefill workers on another host."""
     router = Router(bind=bind, dead_after_s=dead_after_s)
     common = ["--model", str(tiny_dir), "--router", router.addr, "--threads", "1", "--page-size", "4",
               "--transfer-timeout", str(transfer_timeout_s)]  # fmt: skip
     common += [] if checks else ["--no-integrity-checks"]
-    env = {**os.environ, "KVFENCE_FAULTS": prefill_faults, "KVFENCE_FAULT_ARMING": "1"}
+    env = {**os.environ, **(env or {}), "KVFENCE_FAULTS": prefill_faults, "KVFENCE_FAULT_ARMING": "1"}
     worker = [sys.executable, "-m", "kvfence.pd.cli"]
     prefill = [*netns_prefill, *worker, "prefill", *common, "--kv-pages", str(prefill_pages),
                "--transfer-window", str(window)]  # fmt: skip

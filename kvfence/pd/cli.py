@@ -43,6 +43,11 @@ def run_worker(args: argparse.Namespace) -> int:
         return 1
     if report.verdict is Verdict.CLAMPED:
         config = replace(config, context_length=report.context_length)
+    from kvfence import trace
+
+    traced = trace.install_from_env(args.role)  # KVFENCE_TRACE=DIR: page events for kvfence.sim.trace_check
+    if traced is not None:
+        logging.getLogger("kvfence.pd").warning("tracing page events to %s", traced)
     engine = LLMEngine(config, loaded)
     worker: PrefillWorker | DecodeWorker
     if args.role == "prefill":

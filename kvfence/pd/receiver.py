@@ -24,6 +24,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from kvfence import trace
 from kvfence.faults import Faults
 from kvfence.ids import PageId, RequestId
 from kvfence.kv.pool import Lease, PagePool
@@ -171,6 +172,8 @@ class TransferReceiver:
             return self._drop("duplicate", ack)
         if len(frame.payload) != self.page_bytes:
             return self._drop("bad_size")
+        if trace.enabled:
+            trace.emit("apply", tid=int(frame.transfer_id), page=int(lease.page), lease=int(lease.lease))
         try:
             self.write_page(lease.page, frame.payload)
         except Exception as exc:  # the page may hold part of the payload: never mark it written

@@ -36,6 +36,7 @@ from typing import Any, cast
 
 import tokenizers
 
+from kvfence import trace
 from kvfence.engine.config import EngineConfig
 from kvfence.engine.errors import AdmissionError
 from kvfence.engine.llm_engine import LLMEngine
@@ -53,6 +54,7 @@ from kvfence.pd.roles import DecodeRole, PrefillRole, Role
 from kvfence.pd.router import NoWorkers, RouterCore
 from kvfence.pd.worker import fingerprint
 from kvfence.sim.runner import ProvenanceRunner, expected_token
+from kvfence.sim.trace_check import TraceChecker
 
 VOCAB = 64
 ROUTER = "router"
@@ -226,6 +228,7 @@ class Simulation:
         self._record = record
         self.events = 0
         self.faults_spec = cfg.faults
+        self.tracer = TraceChecker()
         self.safety_only = cfg.checks and any(k in cfg.faults for k in BOOKKEEPING_KNOBS)
         self.router = SimRouter(self, cfg.dead_after_s, self._faults(), tid_prefix=cfg.seed % (1 << 24))
         self.workers: dict[str, SimWorker] = {}
@@ -307,17 +310,27 @@ class Simulation:
             self._record({"t": round(self.time, 6), "ev": ev, **fields_})
 
     def run(self) -> None:
-        """Run to the horizon, checking the invariants after every event; then check quiescence."""
-        while self._queue and self._queue[0][0] <= self.cfg.horizon_s:
-            at, _, kind, args = heapq.heappop(self._queue)
-            self.time = at
-            self.events += 1
-            touched = self._dispatch(kind, args)
-            if touched is not None:
-                self.check_invariants(kind, touched)
-            if self.time > self.cfg.submit_until_s and self.quiescent():
-                break
+        """Run to the horizon, checking the invariants after every event; then check quiescence. The real
+        code's page events (kvfence/trace.py) go through the trace checker as they happen: a second oracle."""
+        trace.install(self._on_page_event)
+        try:
+            while self._queue and self._queue[0][0] <= self.cfg.horizon_s:
+                at, _, kind, args = heapq.heappop(self._queue)
+                self.time = at
+                self.events += 1
+                touched = self._dispatch(kind, args)
+                if touched is not None:
+                    self.check_invariants(kind, touched)
+                if self.time > self.cfg.submit_until_s and self.quiescent():
+                    break
+        finally:
+            trace.install(None)
         self.check_quiescence()
+
+    def _on_page_event(self, event: dict[str, Any]) -> None:
+        self.tracer.feed(event)
+        if self._record is not None:
+            self._record({"t": round(self.time, 6), **event})
 
     def _dispatch(self, kind: str, args: tuple[Any, ...]) -> SimWorker | None:
         """Run one event; return the worker whose state it may have changed (None: only the router's)."""
@@ -351,6 +364,7 @@ class Simulation:
         return None
 
     def _guarded(self, worker: SimWorker, fn: Callable[[], None]) -> None:
+        trace.node = worker.name  # the page events that follow are this worker's
         try:
             fn()
         except Crash as exc:
@@ -430,6 +444,9 @@ class Simulation:
 
     def check_invariants(self, after: str, worker: SimWorker) -> None:
         """The invariants of the one worker an event touched (the others did not change)."""
+        violations = self.tracer.report.violations
+        if violations and not self.safety_only:
+            raise Violation(f"trace (after {after}): {violations[0]}")
         if worker.alive:
             if worker.runner.foreign_reads:
                 raise Violation(f"I1 (after {after}) on {worker.name}: {worker.runner.foreign_reads[0]}")
