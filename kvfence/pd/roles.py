@@ -309,6 +309,8 @@ class DecodeRole(Role):
         )
         self.transfer_timeout_s = transfer_timeout_s
         self.incoming: dict[TransferId, tuple[RequestId, Any, float]] = {}  # request, prefill peer, since
+        # admitted, waiting for pages to reserve (FIFO), with when they came: the decode pool is busy right now
+        self.queued: OrderedDict[RequestId, tuple[dict[str, Any], float]] = OrderedDict()
 
     def receiver(self) -> TransferReceiver | None:
         return self.rx
@@ -316,18 +318,34 @@ class DecodeRole(Role):
     def on_request(self, msg: dict[str, Any]) -> None:
         if msg["op"] != "expect" or self.admit(msg) is None:
             return
-        rid, tid = RequestId(msg["request_id"]), TransferId(msg["transfer_id"])
-        peer = self.transport.connect(msg["prefill_addr"])
-        try:
-            ticket = self.rx.reserve(tid, rid, self.engine.pool.pages_for(len(msg["prompt_ids"])))
-        except PoolExhausted as exc:
-            self._fail(rid, "decode_unavailable", str(exc))
-            return
-        except ValueError as exc:  # a reused transfer id: a metadata collision, never trusted (bug 4)
-            self._fail(rid, "kv_integrity_error", str(exc))
-            return
-        self.incoming[tid] = (rid, peer, self.clock())
-        self.transport.send_data(peer, ticket)
+        self.queued[RequestId(msg["request_id"])] = (msg, self.clock())
+        self._reserve_queued()
+
+    def _reserve_queued(self) -> None:
+        """Reserve pages for queued requests in arrival order, while the pool can spare them: one page of
+        headroom per running request, so that reservations do not starve requests already decoding."""
+        pool = self.engine.pool
+        while self.queued:
+            rid, (msg, _) = next(iter(self.queued.items()))
+            num_pages = pool.pages_for(len(msg["prompt_ids"]))
+            if not pool.can_allocate(num_pages + len(self.engine.scheduler.running)):
+                return
+            del self.queued[rid]
+            tid = TransferId(msg["transfer_id"])
+            try:
+                ticket = self.rx.reserve(tid, rid, num_pages)
+            except PoolExhausted as exc:  # not after can_allocate; kept so a surprise fails one request
+                self._fail(rid, "decode_unavailable", str(exc))
+                continue
+            except ValueError as exc:  # a reused transfer id: a metadata collision, never trusted (bug 4)
+                self._fail(rid, "kv_integrity_error", str(exc))
+                continue
+            peer = self.transport.connect(msg["prefill_addr"])
+            self.incoming[tid] = (rid, peer, self.clock())
+            self.transport.send_data(peer, ticket)
+
+    def after_step(self) -> None:
+        self._reserve_queued()
 
     def admit_request(self, msg: dict[str, Any], params: Any) -> Request:
         return self.engine.expect_transfer(
@@ -335,8 +353,14 @@ class DecodeRole(Role):
         )
 
     def on_tick(self) -> None:
-        """Liveness: a transfer that does not complete in time is revoked (never a bare free, I4) and fails."""
+        """Liveness: a transfer that does not complete in time is revoked (never a bare free, I4) and fails; a
+        request that waited as long for decode pages fails too (by then prefill has let go of it as well)."""
         deadline = self.clock() - self.transfer_timeout_s
+        for rid, (_, since) in list(self.queued.items()):
+            if since < deadline:
+                del self.queued[rid]
+                self._fail(rid, "decode_unavailable", f"no decode pages for {self.transfer_timeout_s} s")
+        self._reserve_queued()  # aborts and failures free pages between steps too
         for tid, (rid, peer, since) in list(self.incoming.items()):
             if since < deadline:
                 del self.incoming[tid]
@@ -381,6 +405,11 @@ class DecodeRole(Role):
         log.warning("request %s failed: %s (%s)", rid, code, reason)
 
     def on_abort(self, request_id: RequestId) -> None:
+        if self.queued.pop(request_id, None) is not None:
+            out = self.engine.fail_transfer(request_id, "aborted")
+            if out is not None:
+                self.on_outputs([out])
+            return
         for tid, (rid, peer, _) in list(self.incoming.items()):
             if rid == request_id:  # revoke first: from here on, late frames for it are dropped on arrival
                 self.rx.revoke(tid, "aborted")

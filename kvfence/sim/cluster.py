@@ -404,7 +404,10 @@ class Simulation:
             return None
         self._schedule(self.rng.uniform(*STEP_S), "engine_step", (name,))
         role = worker.role
-        pending = role.out or role.done if isinstance(role, PrefillRole) else cast(DecodeRole, role).incoming
+        if isinstance(role, PrefillRole):
+            pending = bool(role.out or role.done)
+        else:
+            pending = bool(cast(DecodeRole, role).incoming or cast(DecodeRole, role).queued)
         if not worker.engine.has_unfinished() and not pending:
             return None  # nothing to step, nothing that can time out
         self.trace("engine_step", node=name)
@@ -469,7 +472,7 @@ class Simulation:
         if isinstance(role, PrefillRole):
             return not role.out and not role.done
         assert isinstance(role, DecodeRole)
-        return not role.incoming and role.rx.num_active == 0
+        return not role.incoming and not role.queued and role.rx.num_active == 0
 
     def check_quiescence(self) -> None:
         stuck = [c.request_id for c in self.clients.values() if not c.ended]
@@ -491,7 +494,7 @@ class Simulation:
         if isinstance(role, PrefillRole):
             return f"out={sorted(role.out)} done={sorted(role.done)}"
         assert isinstance(role, DecodeRole)
-        return f"incoming={sorted(role.incoming)} active={role.rx.num_active}"
+        return f"incoming={sorted(role.incoming)} queued={list(role.queued)} active={role.rx.num_active}"
 
     def summary(self) -> dict[str, Any]:
         outcomes: dict[str, int] = {}
