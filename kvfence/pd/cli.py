@@ -17,8 +17,15 @@ def add_worker_commands(sub: argparse._SubParsersAction) -> None:  # type: ignor
             "--router", required=True, help="the router's control address, e.g. tcp://10.0.0.1:7000"
         )
         p.add_argument(
-            "--transfer-timeout", type=float, default=30.0, help="seconds before a KV transfer is given up"
+            "--transfer-timeout",
+            type=float,
+            default=30.0,
+            help="seconds without progress (a frame, an ack) before a KV transfer is given up",
         )
+        p.add_argument(
+            "--prefill-timeout", type=float, default=300.0,
+            help="seconds a reserved transfer may wait for its prefill to finish (long prompts, busy workers)",
+        )  # fmt: skip
         if role == "prefill":
             p.add_argument("--data", default="tcp://127.0.0.1:0", help="address to bind the KV data socket")
             p.add_argument(
@@ -57,9 +64,15 @@ def run_worker(args: argparse.Namespace) -> int:
             args.data,
             window=args.transfer_window,
             transfer_timeout_s=args.transfer_timeout,
+            prefill_timeout_s=args.prefill_timeout,
         )
     else:
-        worker = DecodeWorker(engine, args.router, transfer_timeout_s=args.transfer_timeout)
+        worker = DecodeWorker(
+            engine,
+            args.router,
+            transfer_timeout_s=args.transfer_timeout,
+            prefill_timeout_s=args.prefill_timeout,
+        )
     worker.preflight = report  # shown per worker on the router's page map
     logging.getLogger("kvfence.pd").info("%s worker up, router %s", args.role, args.router)
     worker.serve()

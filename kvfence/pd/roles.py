@@ -34,7 +34,7 @@ from kvfence.kv.pool import PoolExhausted
 from kvfence.pd import control
 from kvfence.pd.local import layout_fingerprint
 from kvfence.pd.messages import Abort, AbortAck, FinalFrame, FrameAck, Message, PageFrame, Ticket, TransferId
-from kvfence.pd.receiver import Failed, Ready, TransferReceiver, failure_code
+from kvfence.pd.receiver import Applied, Failed, Ready, TransferReceiver, failure_code
 from kvfence.pd.sender import Action, ReleaseLocal, SendAbort, SendFinal, SendFrames, TransferSender
 
 log = logging.getLogger("kvfence.pd.worker")
@@ -116,7 +116,7 @@ class Role:
 class _Outgoing:
     peer: Any  # where the ticket came from: the decode side of this transfer
     ticket: Ticket
-    since: float  # when the ticket came, then when the sender started (for the prefill timeout)
+    since: float  # when the ticket came, then the sender's last progress (start or ack): the timeouts
     request: Request | None = None  # set once the prefill is done
     sender: TransferSender | None = None
 
@@ -131,10 +131,12 @@ class PrefillRole(Role):
         window: int = 8,
         transfer_timeout_s: float = 30.0,
         clock: Clock = time.monotonic,
+        prefill_timeout_s: float = 300.0,
     ) -> None:
         super().__init__(engine, transport, clock)
         self.window = window
-        self.transfer_timeout_s = transfer_timeout_s
+        self.transfer_timeout_s = transfer_timeout_s  # no progress (ack) for this long: the transfer is over
+        self.prefill_timeout_s = prefill_timeout_s  # a ticket whose prefill is not done after this long
         self.out: dict[RequestId, _Outgoing] = {}  # by request id, from ticket to release
         self.done: dict[RequestId, tuple[Request, float]] = {}  # prefilled, ticket not here yet (since when)
         self.tids: dict[RequestId, TransferId] = {}  # the transfer id the router gave each admitted request
@@ -159,6 +161,7 @@ class PrefillRole(Role):
             if o.ticket.transfer_id != message.transfer_id or o.peer != peer:
                 continue
             if o.sender is not None and isinstance(message, FrameAck):
+                o.since = self.clock()
                 self._act(rid, o.sender.on_ack(message))
             elif o.sender is not None and isinstance(message, Abort):
                 self._act(rid, o.sender.on_abort(message))
@@ -222,12 +225,14 @@ class PrefillRole(Role):
         self._forget(request_id)
 
     def on_tick(self) -> None:
-        """Liveness (finding 1 of docs/verification.md): a transfer that does not finish in time, or a prefilled
-        request whose ticket never comes, ends here. Safe: frames are copies, so once the sender stops nothing
-        reads our pages."""
-        deadline = self.clock() - self.transfer_timeout_s
+        """Liveness (finding 1 of docs/verification.md): a transfer without progress for `transfer_timeout_s`, a
+        prefilled request whose ticket does not come as long, or a ticket whose prefill is not done after
+        `prefill_timeout_s`, ends here. Safe: frames are copies, so once the sender stops nothing reads our
+        pages."""
+        now = self.clock()
+        deadline = now - self.transfer_timeout_s
         for rid, o in list(self.out.items()):
-            if o.since >= deadline:
+            if o.since >= (deadline if o.sender is not None else now - self.prefill_timeout_s):
                 continue
             log.warning("transfer %s for request %s timed out on prefill", o.ticket.transfer_id, rid)
             if o.sender is not None:
@@ -296,6 +301,7 @@ class DecodeRole(Role):
         transport: Transport,
         transfer_timeout_s: float = 30.0,
         clock: Clock = time.monotonic,
+        prefill_timeout_s: float = 300.0,
     ) -> None:
         super().__init__(engine, transport, clock)
         cache = engine.runner.cache
@@ -307,8 +313,12 @@ class DecodeRole(Role):
             checks=engine.integrity_checks,  # --no-integrity-checks turns both layers off (debug only)
             faults=engine.faults,
         )
+        # Timeouts: until the first frame the prefill is computing (`prefill_timeout_s`: a 2,000-token prompt on
+        # a busy CPU takes tens of seconds); after it, `transfer_timeout_s` without a frame ends the transfer.
         self.transfer_timeout_s = transfer_timeout_s
-        self.incoming: dict[TransferId, tuple[RequestId, Any, float]] = {}  # request, prefill peer, since
+        self.prefill_timeout_s = prefill_timeout_s
+        # request, prefill peer, last progress (the reservation, then each applied frame), frames applied yet
+        self.incoming: dict[TransferId, tuple[RequestId, Any, float, bool]] = {}
         # admitted, waiting for pages to reserve (FIFO), with when they came: the decode pool is busy right now
         self.queued: OrderedDict[RequestId, tuple[dict[str, Any], float]] = OrderedDict()
 
@@ -341,7 +351,7 @@ class DecodeRole(Role):
                 self._fail(rid, "kv_integrity_error", str(exc))
                 continue
             peer = self.transport.connect(msg["prefill_addr"])
-            self.incoming[tid] = (rid, peer, self.clock())
+            self.incoming[tid] = (rid, peer, self.clock(), False)
             self.transport.send_data(peer, ticket)
 
     def after_step(self) -> None:
@@ -355,14 +365,15 @@ class DecodeRole(Role):
     def on_tick(self) -> None:
         """Liveness: a transfer that does not complete in time is revoked (never a bare free, I4) and fails; a
         request that waited as long for decode pages fails too (by then prefill has let go of it as well)."""
-        deadline = self.clock() - self.transfer_timeout_s
+        now = self.clock()
+        deadline = now - self.transfer_timeout_s
         for rid, (_, since) in list(self.queued.items()):
             if since < deadline:
                 del self.queued[rid]
                 self._fail(rid, "decode_unavailable", f"no decode pages for {self.transfer_timeout_s} s")
         self._reserve_queued()  # aborts and failures free pages between steps too
-        for tid, (rid, peer, since) in list(self.incoming.items()):
-            if since < deadline:
+        for tid, (rid, peer, since, started) in list(self.incoming.items()):
+            if since < (deadline if started else now - self.prefill_timeout_s):
                 del self.incoming[tid]
                 self.rx.revoke(tid, "timeout")
                 self.transport.send_data(peer, Abort(tid, "timeout"))
@@ -375,7 +386,10 @@ class DecodeRole(Role):
             if isinstance(verdict, Failed):  # the write failed: revoked; tell prefill to stop
                 self.transport.send_data(peer, Abort(tid, "write_failed"))
                 self._finish(tid, verdict)
-            elif verdict.ack is not None:
+                return
+            if isinstance(verdict, Applied) and tid in self.incoming:
+                self.incoming[tid] = (*self.incoming[tid][:2], self.clock(), True)
+            if verdict.ack is not None:
                 self.transport.send_data(peer, verdict.ack)
             return
         entry = self.incoming.get(tid)
@@ -410,7 +424,7 @@ class DecodeRole(Role):
             if out is not None:
                 self.on_outputs([out])
             return
-        for tid, (rid, peer, _) in list(self.incoming.items()):
+        for tid, (rid, peer, *_) in list(self.incoming.items()):
             if rid == request_id:  # revoke first: from here on, late frames for it are dropped on arrival
                 self.rx.revoke(tid, "aborted")
                 self.transport.send_data(peer, Abort(tid, "aborted"))

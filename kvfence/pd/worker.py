@@ -197,10 +197,11 @@ class PrefillWorker(Worker):
         data_addr: str,
         window: int = 8,
         transfer_timeout_s: float = 30.0,
+        prefill_timeout_s: float = 300.0,
         **kw: Any,
     ) -> None:
         super().__init__(engine, router_addr, **kw)
-        self.role = PrefillRole(engine, self, window, transfer_timeout_s)
+        self.role = PrefillRole(engine, self, window, transfer_timeout_s, prefill_timeout_s=prefill_timeout_s)
         self.data: zmq.Socket[Any] = self.ctx.socket(zmq.ROUTER)
         self.data.setsockopt(zmq.LINGER, 0)
         host, _, port = data_addr.rpartition(":")
@@ -224,10 +225,15 @@ class PrefillWorker(Worker):
 
 class DecodeWorker(Worker):
     def __init__(
-        self, engine: LLMEngine, router_addr: str, transfer_timeout_s: float = 30.0, **kw: Any
+        self,
+        engine: LLMEngine,
+        router_addr: str,
+        transfer_timeout_s: float = 30.0,
+        prefill_timeout_s: float = 300.0,
+        **kw: Any,
     ) -> None:
         super().__init__(engine, router_addr, **kw)
-        self.role = DecodeRole(engine, self, transfer_timeout_s)
+        self.role = DecodeRole(engine, self, transfer_timeout_s, prefill_timeout_s=prefill_timeout_s)
         self.peers: dict[str, zmq.Socket[Any]] = {}  # prefill data address -> our DEALER to it
 
     def connect(self, data_addr: str) -> Any:

@@ -98,6 +98,7 @@ class SimConfig:
     faults: str = ""  # "knob=count,..." armed on every worker engine and the router
     window: int = 2
     transfer_timeout_s: float = 1.5
+    prefill_timeout_s: float = 3.0
     dead_after_s: float = 1.2
     submit_until_s: float = 2.0
     horizon_s: float = 30.0
@@ -178,9 +179,11 @@ class SimWorker:
     def __post_init__(self) -> None:
         cfg, clock = self.sim.cfg, self.sim.now
         if self.kind == "prefill":
-            self.role = SimPrefillRole(self.engine, self, cfg.window, cfg.transfer_timeout_s, clock=clock)
+            self.role = SimPrefillRole(
+                self.engine, self, cfg.window, cfg.transfer_timeout_s, clock, cfg.prefill_timeout_s
+            )
         else:
-            self.role = DecodeRole(self.engine, self, cfg.transfer_timeout_s, clock=clock)
+            self.role = DecodeRole(self.engine, self, cfg.transfer_timeout_s, clock, cfg.prefill_timeout_s)
 
     # Transport
     def send_control(self, op: str, **body: Any) -> None:
