@@ -11,9 +11,12 @@ from __future__ import annotations
 
 import queue
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 from kvfence.engine.admission import Limits
 from kvfence.engine.llm_engine import EngineStats
@@ -119,3 +122,38 @@ class RemoteEngine:
                     self._live.discard(out.request_id)
                     self.stats.count((out.error_code and f"failed:{out.error_code}") or "finished")
         return outputs
+
+
+class WorkersCollector(Collector):
+    """The router's /metrics view of its workers, from their latest heartbeats (at most `HEARTBEAT_S` old):
+    KV pool pages by state and integrity failures, labelled by role and worker (role-pid)."""
+
+    def __init__(self, router: Router) -> None:
+        self.router = router
+
+    def collect(self) -> Iterator[Metric]:
+        workers = GaugeMetricFamily("kvfence_workers", "Registered PD workers", labels=["role"])
+        pages = GaugeMetricFamily("kvfence_worker_kv_pages", "Worker KV pool pages by state",
+                                  labels=["role", "worker", "state"])  # fmt: skip
+        total = GaugeMetricFamily("kvfence_worker_kv_pages_total", "Worker KV pool size in pages",
+                                  labels=["role", "worker"])  # fmt: skip
+        failures = CounterMetricFamily("kvfence_worker_integrity_failures", "Requests failed by an I1 check on "
+                                       "the worker", labels=["role", "worker"])  # fmt: skip
+        live = list(self.router.workers.values())
+        for role in ("prefill", "decode"):
+            workers.add_metric([role], sum(w.role == role for w in live))
+        for w in live:
+            name, pool = f"{w.role}-{w.pid}", w.health.get("pool")
+            if pool is None:
+                continue  # no heartbeat yet
+            cached = pool.get("num_cached", 0)
+            for state, value in (("free", pool["num_free"] - cached), ("leased", pool["num_leased"]),
+                                 ("quarantined", pool["num_quarantined"]), ("sealed", pool.get("num_sealed", 0)),
+                                 ("cached", cached)):  # fmt: skip
+                pages.add_metric([w.role, name, state], value)
+            total.add_metric([w.role, name], pool["num_pages"])
+            failures.add_metric([w.role, name], w.health.get("integrity_failures", 0))
+        yield from (workers, pages, total, failures)
+
+    def describe(self) -> Iterator[Metric]:
+        return iter(())

@@ -43,6 +43,7 @@ class WorkerInfo:
     data_addr: str
     last_seen: float
     pool_free: int | None = None  # from the latest heartbeat
+    health: dict[str, Any] = field(default_factory=dict)  # the latest heartbeat: pool page counts, failures
     pid: int | None = None  # for operators' logs (and tests that kill a worker)
 
 
@@ -182,6 +183,7 @@ class RouterCore:
             return
         worker.last_seen = self.clock()
         worker.pool_free = msg.get("pool_free")
+        worker.health = {k: msg[k] for k in ("pool", "integrity_failures") if k in msg}
 
     def reap_dead_workers(self) -> None:
         """A worker that went silent is gone: its requests fail (503 to clients), the surviving side of each is

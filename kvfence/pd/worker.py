@@ -16,6 +16,7 @@ import os
 import threading
 import time
 import uuid
+from dataclasses import asdict
 from typing import Any
 
 import zmq
@@ -61,7 +62,7 @@ class Worker:
         self.control.setsockopt(zmq.IDENTITY, self.identity)
         self.control.connect(router_addr)
         self.router_addr = router_addr
-        self._pool_free = engine.pool.num_free  # refreshed between steps, read by the heartbeat thread
+        self._beat = self._health()  # refreshed between steps, read by the heartbeat thread
         self.poller = zmq.Poller()
         self.poller.register(self.control, zmq.POLLIN)
         self.data_addr = ""
@@ -87,10 +88,20 @@ class Worker:
                 break
             self.role.step()
             self.role.on_tick()
-            self._pool_free = self.engine.pool.num_free
+            self._beat = self._health()
         self.running = False
         beat.join()
         self.close()
+
+    def _health(self) -> dict[str, Any]:
+        """What every heartbeat carries: the pool's page counts and the integrity failures so far (the router's
+        /metrics shows them per worker)."""
+        stats = asdict(self.engine.pool.stats())
+        return {
+            "pool_free": stats["num_free"],
+            "pool": stats,
+            "integrity_failures": self.engine.stats.integrity_failures,
+        }
 
     def _register(self) -> None:
         self.send_control(
@@ -105,8 +116,7 @@ class Worker:
         sock.connect(self.router_addr)
         stop = threading.Event()
         while self.running and not stop.wait(HEARTBEAT_S):
-            beat = {"worker": self.identity.hex(), "pool_free": self._pool_free}
-            sock.send(control.pack("heartbeat", **beat))
+            sock.send(control.pack("heartbeat", worker=self.identity.hex(), **self._beat))
         sock.close(0)
 
     def _drain(self, sock: zmq.Socket[Any]) -> None:
