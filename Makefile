@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: test serve generate lint typecheck bench model clean browser
+.PHONY: test serve generate lint typecheck bench model clean browser spin
 
 $(BIN)/python:
 	$(shell command -v $(PY) >/dev/null 2>&1 && echo $(PY) || echo python3) -m venv $(VENV)
@@ -22,10 +22,14 @@ model: $(STAMP)
 browser:
 	@command -v chromium >/dev/null 2>&1 && command -v chromedriver >/dev/null 2>&1 || (apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y chromium chromium-driver)
 
-test: model browser
+# Spin and gcc for the model-checking tests (tests/test_verify.py), installed when missing
+spin:
+	@command -v spin >/dev/null 2>&1 && command -v gcc >/dev/null 2>&1 || (apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y spin gcc)
+
+test: model browser spin
 	$(BIN)/ruff check kvfence tests bench
 	$(BIN)/mypy
-	KVFENCE_REQUIRE_BROWSER=1 $(BIN)/pytest -q
+	KVFENCE_REQUIRE_BROWSER=1 KVFENCE_RUN_SPIN=1 $(BIN)/pytest -q
 
 serve: model
 	$(BIN)/kvfence serve --mode pd
