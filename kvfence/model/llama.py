@@ -5,6 +5,13 @@ through the paged cache (`PagedKV`) using the block tables and slot mapping in `
 runner builds from a `Plan`. All tokens of a step (prefill chunks and decodes of many requests) run as one flat
 sequence of T tokens through the dense layers; only attention is per request.
 
+Speed (docs/performance.md, "Serving benchmark"): on a CPU a decode step is mostly per-operator overhead, so the
+layer is written to issue few operators. Q, K and V come from one fused projection, gate and up from another
+(the loader's separate Hugging Face weights are concatenated in `from_weights`); the rotary tables are looked up
+once per step and applied to Q and K together; K and V go into the cache in one indexed copy; a step of only
+decodes attends over all block tables at once with one gather per layer; a first prefill chunk attends over its
+freshly computed K/V instead of reading them back from its pages.
+
 Shapes: T = tokens in the step, D = hidden size, H = query heads, Hkv = KV heads, Dh = head dim,
 P = pages in the pool, S = page size (tokens per page).
 """
@@ -63,9 +70,8 @@ class PagedKV:
 
     def write(self, layer: int, slots: Tensor, k: Tensor, v: Tensor) -> None:
         # k, v: [T, Hkv, Dh]; slots: [T]
-        flat = self.kv[layer].view(2, -1, *self.kv.shape[-2:])
-        flat[0, slots] = k
-        flat[1, slots] = v
+        flat = self.kv[layer].view(2, -1, *self.kv.shape[-2:])  # [2, P*S, Hkv, Dh]
+        flat.index_copy_(1, slots, torch.stack((k, v)))
 
     def page_bytes(self) -> int:
         """Bytes of one page across all layers, K and V: the payload of one transfer frame."""
@@ -90,6 +96,12 @@ class PagedKV:
         shape = (*pages.shape[:-1], pages.shape[-1] * self.page_size, *self.kv.shape[-2:])
         return k.view(shape), v.view(shape)
 
+    def gather_kv(self, layer: int, pages: Tensor) -> Tensor:
+        """K and V together in one copy: pages [B, n] -> [2, B, n * S, Hkv, Dh]."""
+        num_pages = self.kv.shape[2]
+        kv = self.kv[layer].view(2, num_pages, -1).index_select(1, pages.reshape(-1))
+        return kv.view(2, *pages.shape[:-1], pages.shape[-1] * self.page_size, *self.kv.shape[-2:])
+
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
@@ -98,9 +110,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: Tensor) -> Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (x32 * self.weight.float()).to(x.dtype)
+        # one fused kernel; for bfloat16 it accumulates in float32 and rounds once, as HF's upcast does
+        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
 
 
 class Rotary:
@@ -113,15 +124,27 @@ class Rotary:
         emb = torch.cat([freqs, freqs], dim=-1)
         self.cos = emb.cos().float().to(device)
         self.sin = emb.sin().float().to(device)
+        half = head_dim // 2
+        # rotate_half's sign folded into sin: x * cos + cat(x2, x1) * signed_sin == x * cos + rotate_half(x) * sin
+        self.signed_sin = torch.cat([-self.sin[:, :half], self.sin[:, half:]], dim=-1)
+
+    def tables(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """cos and signed sin for a step's positions, [T, 1, Dh] in `dtype` (as HF casts them): once per step."""
+        return (
+            self.cos[positions].unsqueeze(1).to(dtype),
+            self.signed_sin[positions].unsqueeze(1).to(dtype),
+        )
+
+    @staticmethod
+    def apply(x: Tensor, cos: Tensor, signed_sin: Tensor) -> Tensor:
+        # x: [T, heads, Dh]; cos, signed_sin: [T, 1, Dh]
+        half = x.shape[-1] // 2
+        swapped = torch.cat([x[..., half:], x[..., :half]], dim=-1)
+        return torch.addcmul(x * cos, swapped, signed_sin)
 
     def __call__(self, x: Tensor, positions: Tensor) -> Tensor:
         # x: [T, heads, Dh]
-        cos = self.cos[positions].unsqueeze(1)
-        sin = self.sin[positions].unsqueeze(1)
-        x32 = x.float()
-        half = x.shape[-1] // 2
-        rotated = torch.cat([-x32[..., half:], x32[..., :half]], dim=-1)
-        return (x32 * cos + rotated * sin).to(x.dtype)
+        return self.apply(x, *self.tables(positions, x.dtype))
 
 
 class Attention(nn.Module):
@@ -130,62 +153,70 @@ class Attention(nn.Module):
         self.layer = layer
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         d, dh = cfg.hidden_size, cfg.head_dim
-        self.q_proj = nn.Linear(d, cfg.num_heads * dh, bias=cfg.attention_bias)
-        self.k_proj = nn.Linear(d, cfg.num_kv_heads * dh, bias=cfg.attention_bias)
-        self.v_proj = nn.Linear(d, cfg.num_kv_heads * dh, bias=cfg.attention_bias)
+        # q, k and v projections in one: rows [q | k | v] (from_weights concatenates HF's three)
+        self.qkv_proj = nn.Linear(d, (cfg.num_heads + 2 * cfg.num_kv_heads) * dh, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(cfg.num_heads * dh, d, bias=False)
         self.scale = dh**-0.5
 
-    def forward(self, x: Tensor, meta: AttentionMetadata, cache: PagedKV, rotary: Rotary) -> Tensor:
-        t = x.shape[0]
-        q = rotary(self.q_proj(x).view(t, self.num_heads, self.head_dim), meta.positions)
-        k = rotary(self.k_proj(x).view(t, self.num_kv_heads, self.head_dim), meta.positions)
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+    def forward(
+        self, x: Tensor, meta: AttentionMetadata, cache: PagedKV, rope: tuple[Tensor, Tensor]
+    ) -> Tensor:
+        t, h, hkv, dh = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        qkv = self.qkv_proj(x)  # [T, (H + 2 Hkv) * Dh]
+        qk = Rotary.apply(qkv[:, : (h + hkv) * dh].view(t, h + hkv, dh), *rope)  # [T, H + Hkv, Dh]
+        q, k = qk[:, :h], qk[:, h:]
+        v = qkv[:, (h + hkv) * dh :].view(t, hkv, dh)
         cache.write(self.layer, meta.slot_mapping, k, v)
-        out = torch.empty_like(q)  # [T, H, Dh]
-        for seq in meta.prefills:
-            out[seq.q_start : seq.q_start + seq.q_len] = self._prefill(q, seq, cache)
-        if meta.decode_idx is not None:
-            out[meta.decode_idx] = self._decode(q[meta.decode_idx], meta, cache)
-        y: Tensor = self.o_proj(out.view(t, -1))
+        if not meta.prefills and meta.decode_idx is not None and meta.decode_idx.numel() == t:
+            out = self._decode(q, meta, cache)  # every token is a decode, in row order: no scatter
+        else:
+            out = torch.empty_like(q)  # [T, H, Dh]
+            for seq in meta.prefills:
+                out[seq.q_start : seq.q_start + seq.q_len] = self._prefill(q, k, v, seq, cache)
+            if meta.decode_idx is not None:
+                out[meta.decode_idx] = self._decode(q[meta.decode_idx], meta, cache)
+        y: Tensor = self.o_proj(out.reshape(t, -1))
         return y
 
-    def _prefill(self, q: Tensor, seq: PrefillSeq, cache: PagedKV) -> Tensor:
-        ctx = seq.start_pos + seq.q_len
+    def _prefill(self, q: Tensor, k_new: Tensor, v_new: Tensor, seq: PrefillSeq, cache: PagedKV) -> Tensor:
+        ctx, span = seq.start_pos + seq.q_len, slice(seq.q_start, seq.q_start + seq.q_len)
+        qs = q[span].transpose(0, 1).unsqueeze(0)  # [1, H, q_len, Dh]
+        if seq.start_pos == 0:  # a first chunk attends only to itself: its K/V as computed, no read-back
+            k, v = k_new[span].transpose(0, 1).unsqueeze(0), v_new[span].transpose(0, 1).unsqueeze(0)
+            o = F.scaled_dot_product_attention(qs, k, v, is_causal=True, scale=self.scale, enable_gqa=True)
+            return o[0].transpose(0, 1)  # [q_len, H, Dh]
         k, v = cache.gather(self.layer, seq.pages)  # [n*S, Hkv, Dh]
         k, v = k[:ctx].transpose(0, 1).unsqueeze(0), v[:ctx].transpose(0, 1).unsqueeze(0)  # [1, Hkv, ctx, Dh]
-        qs = q[seq.q_start : seq.q_start + seq.q_len].transpose(0, 1).unsqueeze(0)  # [1, H, q_len, Dh]
-        if seq.start_pos == 0:
-            o = F.scaled_dot_product_attention(qs, k, v, is_causal=True, scale=self.scale, enable_gqa=True)
-        else:  # causal with an offset: query i sees keys [0, start_pos + i]
-            rows = torch.arange(seq.q_len, device=q.device).unsqueeze(1) + seq.start_pos
-            mask = torch.arange(ctx, device=q.device).unsqueeze(0) <= rows
-            o = F.scaled_dot_product_attention(qs, k, v, attn_mask=mask, scale=self.scale, enable_gqa=True)
+        # causal with an offset: query i sees keys [0, start_pos + i]
+        rows = torch.arange(seq.q_len, device=q.device).unsqueeze(1) + seq.start_pos
+        mask = torch.arange(ctx, device=q.device).unsqueeze(0) <= rows
+        o = F.scaled_dot_product_attention(qs, k, v, attn_mask=mask, scale=self.scale, enable_gqa=True)
         return o[0].transpose(0, 1)  # [q_len, H, Dh]
 
     def _decode(self, q: Tensor, meta: AttentionMetadata, cache: PagedKV) -> Tensor:
+        """One query token per row over its whole block table, all rows at once. Plain matmuls rather than
+        scaled_dot_product_attention: for one query token in bfloat16 the CPU kernel is ten times slower."""
         assert meta.decode_pages is not None and meta.decode_mask is not None
-        k, v = cache.gather(self.layer, meta.decode_pages)  # [B, n*S, Hkv, Dh]
-        o = F.scaled_dot_product_attention(
-            q.unsqueeze(2),  # [B, H, 1, Dh]
-            k.transpose(1, 2),
-            v.transpose(1, 2),
-            attn_mask=meta.decode_mask,
-            scale=self.scale,
-            enable_gqa=True,
-        )
-        return o.squeeze(2)  # [B, H, Dh]
+        b, h, hkv, dh = q.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        # one copy into head-major order, so that both matmuls below run on views (no hidden copies)
+        kv = cache.gather_kv(self.layer, meta.decode_pages).transpose(2, 3).contiguous()  # [2, B, Hkv, N, Dh]
+        qg = q.view(b, hkv, h // hkv, dh)  # [B, Hkv, G, Dh]: the G query heads that share each KV head
+        scores = torch.matmul(qg, kv[0].transpose(2, 3)).float() * self.scale  # [B, Hkv, G, N]
+        scores = scores.masked_fill(~meta.decode_mask, float("-inf"))  # mask: [B, 1, 1, N]
+        probs = torch.softmax(scores, dim=-1).to(q.dtype)
+        return torch.matmul(probs, kv[1]).view(b, h, dh)  # [B, H, Dh]
 
 
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        # gate and up projections in one: rows [gate | up] (from_weights concatenates HF's two)
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
-        y: Tensor = self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [T, I] each
+        y: Tensor = self.down_proj(F.silu(gate) * up)
         return y
 
 
@@ -197,8 +228,10 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x: Tensor, meta: AttentionMetadata, cache: PagedKV, rotary: Rotary) -> Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), meta, cache, rotary)
+    def forward(
+        self, x: Tensor, meta: AttentionMetadata, cache: PagedKV, rope: tuple[Tensor, Tensor]
+    ) -> Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), meta, cache, rope)
         y: Tensor = x + self.mlp(self.post_attention_layernorm(x))
         return y
 
@@ -226,9 +259,12 @@ class LlamaForCausalLM(nn.Module):
         """token_ids [T] -> logits [N, V] for the N tokens in meta.sample_idx (only those pay for the head)."""
         assert self.rotary is not None
         x = self.model.embed_tokens(token_ids)  # [T, D]
+        rope = self.rotary.tables(meta.positions, x.dtype)
         for layer in self.model.layers:
-            x = layer(x, meta, cache, self.rotary)
-        x = self.model.norm(x[meta.sample_idx])
+            x = layer(x, meta, cache, rope)
+        if meta.sample_idx.numel() != x.shape[0]:  # only the tokens we sample pay for the norm and the head
+            x = x[meta.sample_idx]
+        x = self.model.norm(x)
         logits: Tensor = self.lm_head(x).float()
         return logits
 
@@ -241,6 +277,7 @@ class LlamaForCausalLM(nn.Module):
         model = model.to_empty(device=device)
         if cfg.tie_word_embeddings:  # to_empty gives every parameter its own storage: tie again
             model.lm_head.weight = model.model.embed_tokens.weight
+        weights = fuse_projections(weights, cfg.num_layers)
         expected = {n for n, _ in model.named_parameters()}
         missing = expected - set(weights)
         if missing:
@@ -249,3 +286,27 @@ class LlamaForCausalLM(nn.Module):
         model = model.to(dtype=dtype).eval()
         model.rotary = Rotary(cfg.head_dim, cfg.context_length, cfg.rope_theta, device)
         return model
+
+
+FUSED = (  # fused parameter <- the Hugging Face parameters it concatenates, in row order
+    (
+        "self_attn.qkv_proj.weight",
+        ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
+    ),
+    ("self_attn.qkv_proj.bias", ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias")),
+    ("mlp.gate_up_proj.weight", ("mlp.gate_proj.weight", "mlp.up_proj.weight")),
+)
+
+
+def fuse_projections(weights: dict[str, Tensor], num_layers: int) -> dict[str, Tensor]:
+    """A copy of `weights` (HF names) where each layer's q/k/v and gate/up projections are concatenated into the
+    fused parameters this model uses. A group that is absent (no attention bias) is skipped; a partial group is
+    left alone so that the missing-weights check names what is missing."""
+    fused = dict(weights)
+    for i in range(num_layers):
+        prefix = f"model.layers.{i}."
+        for target, parts in FUSED:
+            names = [prefix + p for p in parts]
+            if all(n in fused for n in names):
+                fused[prefix + target] = torch.cat([fused.pop(n) for n in names], dim=0)
+    return fused
