@@ -144,6 +144,10 @@ def build_parser() -> argparse.ArgumentParser:
     from kvfence.dashboard.top import add_top_command
 
     add_top_command(sub)
+
+    from kvfence.probe.cli import add_commands as add_probe_commands
+
+    add_probe_commands(sub)  # probe, audit (docs/probe.md)
     return parser
 
 
