@@ -19,6 +19,7 @@ P = pages in the pool, S = page size (tokens per page).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -44,6 +45,14 @@ class AttentionMetadata:
     decode_pages: Tensor | None  # [B, max_pages] int64 block tables, padded with page 0
     decode_mask: Tensor | None  # [B, 1, 1, max_pages * S] bool, True where a position is inside the context
     sample_idx: Tensor  # [N] int64, flat index of the tokens whose logits we need
+
+
+class StepTensors(NamedTuple):
+    """Computed once per step from the metadata, shared by every layer."""
+
+    cos: Tensor  # [T, 1, Dh] in the model's dtype
+    signed_sin: Tensor  # [T, 1, Dh]
+    decode_hide: Tensor | None  # [B, 1, 1, max_pages * S] bool: ~decode_mask, positions a decode must not see
 
 
 class PagedKV:
@@ -158,23 +167,23 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(cfg.num_heads * dh, d, bias=False)
         self.scale = dh**-0.5
 
-    def forward(
-        self, x: Tensor, meta: AttentionMetadata, cache: PagedKV, rope: tuple[Tensor, Tensor]
-    ) -> Tensor:
+    def forward(self, x: Tensor, meta: AttentionMetadata, cache: PagedKV, step: StepTensors) -> Tensor:
         t, h, hkv, dh = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         qkv = self.qkv_proj(x)  # [T, (H + 2 Hkv) * Dh]
-        qk = Rotary.apply(qkv[:, : (h + hkv) * dh].view(t, h + hkv, dh), *rope)  # [T, H + Hkv, Dh]
+        qk = Rotary.apply(
+            qkv[:, : (h + hkv) * dh].view(t, h + hkv, dh), step.cos, step.signed_sin
+        )  # [T, H + Hkv, Dh]
         q, k = qk[:, :h], qk[:, h:]
         v = qkv[:, (h + hkv) * dh :].view(t, hkv, dh)
         cache.write(self.layer, meta.slot_mapping, k, v)
         if not meta.prefills and meta.decode_idx is not None and meta.decode_idx.numel() == t:
-            out = self._decode(q, meta, cache)  # every token is a decode, in row order: no scatter
+            out = self._decode(q, meta, cache, step)  # every token is a decode, in row order: no scatter
         else:
             out = torch.empty_like(q)  # [T, H, Dh]
             for seq in meta.prefills:
                 out[seq.q_start : seq.q_start + seq.q_len] = self._prefill(q, k, v, seq, cache)
             if meta.decode_idx is not None:
-                out[meta.decode_idx] = self._decode(q[meta.decode_idx], meta, cache)
+                out[meta.decode_idx] = self._decode(q[meta.decode_idx], meta, cache, step)
         y: Tensor = self.o_proj(out.reshape(t, -1))
         return y
 
@@ -193,17 +202,17 @@ class Attention(nn.Module):
         o = F.scaled_dot_product_attention(qs, k, v, attn_mask=mask, scale=self.scale, enable_gqa=True)
         return o[0].transpose(0, 1)  # [q_len, H, Dh]
 
-    def _decode(self, q: Tensor, meta: AttentionMetadata, cache: PagedKV) -> Tensor:
+    def _decode(self, q: Tensor, meta: AttentionMetadata, cache: PagedKV, step: StepTensors) -> Tensor:
         """One query token per row over its whole block table, all rows at once. Plain matmuls rather than
         scaled_dot_product_attention: for one query token in bfloat16 the CPU kernel is ten times slower."""
-        assert meta.decode_pages is not None and meta.decode_mask is not None
+        assert meta.decode_pages is not None and step.decode_hide is not None
         b, h, hkv, dh = q.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         # one copy into head-major order, so that both matmuls below run on views (no hidden copies)
         kv = cache.gather_kv(self.layer, meta.decode_pages).transpose(2, 3).contiguous()  # [2, B, Hkv, N, Dh]
         qg = q.view(b, hkv, h // hkv, dh)  # [B, Hkv, G, Dh]: the G query heads that share each KV head
-        scores = torch.matmul(qg, kv[0].transpose(2, 3)).float() * self.scale  # [B, Hkv, G, N]
-        scores = scores.masked_fill(~meta.decode_mask, float("-inf"))  # mask: [B, 1, 1, N]
-        probs = torch.softmax(scores, dim=-1).to(q.dtype)
+        scores = torch.matmul(qg, kv[0].transpose(2, 3))  # [B, Hkv, G, N]
+        scores = scores.masked_fill(step.decode_hide, float("-inf")) * self.scale
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
         return torch.matmul(probs, kv[1]).view(b, h, dh)  # [B, H, Dh]
 
 
@@ -228,10 +237,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(
-        self, x: Tensor, meta: AttentionMetadata, cache: PagedKV, rope: tuple[Tensor, Tensor]
-    ) -> Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), meta, cache, rope)
+    def forward(self, x: Tensor, meta: AttentionMetadata, cache: PagedKV, step: StepTensors) -> Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), meta, cache, step)
         y: Tensor = x + self.mlp(self.post_attention_layernorm(x))
         return y
 
@@ -259,9 +266,10 @@ class LlamaForCausalLM(nn.Module):
         """token_ids [T] -> logits [N, V] for the N tokens in meta.sample_idx (only those pay for the head)."""
         assert self.rotary is not None
         x = self.model.embed_tokens(token_ids)  # [T, D]
-        rope = self.rotary.tables(meta.positions, x.dtype)
+        hide = None if meta.decode_mask is None else ~meta.decode_mask
+        step = StepTensors(*self.rotary.tables(meta.positions, x.dtype), hide)
         for layer in self.model.layers:
-            x = layer(x, meta, cache, rope)
+            x = layer(x, meta, cache, step)
         if meta.sample_idx.numel() != x.shape[0]:  # only the tokens we sample pay for the norm and the head
             x = x[meta.sample_idx]
         x = self.model.norm(x)
