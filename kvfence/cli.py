@@ -33,6 +33,26 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="debug/benchmark only: skip I1 checks and tag stamping",
     )
+    cache = p.add_mutually_exclusive_group()
+    cache.add_argument(
+        "--enable-prefix-cache",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="reuse sealed KV pages of earlier requests of the same tenant (docs/prefix-cache.md; default on)",
+    )
+    cache.add_argument(
+        "--disable-prefix-cache",
+        dest="enable_prefix_cache",
+        action="store_false",
+        help="same as --no-enable-prefix-cache",
+    )
+    p.add_argument(
+        "--kv-canary-interval",
+        type=int,
+        default=64,
+        metavar="STEPS",
+        help="re-verify the digests of a few cached pages every STEPS engine steps (0: only on reuse)",
+    )
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -50,6 +70,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         max_num_batched_tokens=args.max_num_batched_tokens,
         integrity_checks=not args.no_integrity_checks,
         num_threads=args.threads,
+        enable_prefix_cache=args.enable_prefix_cache,
+        kv_canary_interval=args.kv_canary_interval,
         faults=Faults.from_env(),
     )
 

@@ -297,8 +297,9 @@ def test_integrity_failure_is_500(faulty, tiny_model):
     body = {**BASE[C], "prompt": long_prompt(tiny_model, 22), "max_tokens": 12, "temperature": 0}
     assert post(faulty, C, body).status_code == 200  # tenant A uses the whole pool, then leaves
     arm(faulty, "drop_write")
+    other = long_prompt(tiny_model, 22)[::-1]  # another prompt: no prefix-cache hit, a full prefill
     with pytest.raises(openai.InternalServerError) as e:
-        faulty.client().completions.create(**body)
+        faulty.client().completions.create(**{**body, "prompt": other})
     assert e.value.code == "kv_integrity_error" and e.value.status_code == 500
     err = error_of(e.value.response, 500)
     assert err["type"] == "server_error"
@@ -350,7 +351,7 @@ def test_one_failed_choice_fails_the_whole_response(faulty, caplog):
     assert all(c["text"] for c in ok)  # without the fault every choice has text
     arm(faulty, "drop_write")  # fires once: one choice is the victim, its siblings are healthy
     with caplog.at_level(logging.INFO, logger="kvfence.requests"):
-        r = post(faulty, C, body)
+        r = post(faulty, C, {**body, "prompt": "Goodbye, cruel world"})  # no prefix-cache hit: full prefill
         faulty.wait_idle()
     assert set(r.json()) == {"error"} and error_of(r, 500)["code"] == "kv_integrity_error"
     lines = integrity_lines(caplog)

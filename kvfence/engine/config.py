@@ -31,6 +31,8 @@ class EngineConfig:
     seed: int = 0
     lease_prefix: int | None = None
     faults: Faults | None = None
+    enable_prefix_cache: bool = True  # tenant-scoped prefix cache over sealed pages (docs/prefix-cache.md)
+    kv_canary_interval: int = 64  # steps between canary re-checks of cached pages' digests; 0: never
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -39,6 +41,10 @@ class EngineConfig:
             raise ValueError(f"page_size must be a power of two, got {self.page_size}")
         if self.kv_pages is not None and self.kv_cache_memory is not None:
             raise ValueError("give either kv_pages or kv_cache_memory, not both")
+        if self.kv_canary_interval < 0:
+            raise ValueError(
+                f"kv_canary_interval must be 0 (off) or a number of steps, got {self.kv_canary_interval}"
+            )
 
     @property
     def torch_dtype(self) -> torch.dtype:

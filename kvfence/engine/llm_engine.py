@@ -1,7 +1,8 @@
 """The engine: admission, scheduling, integrity checks, one forward step, and outputs, in that order.
 
-    step():  drain inbox (adds, aborts) -> schedule -> check reads (I1) -> run -> stamp writes -> check again
-             -> postprocess (append tokens, stops) -> detokenize, stop strings -> outputs
+    step():  drain inbox (adds, aborts) -> schedule -> check reads (I1) and writes (I9) -> run -> stamp writes
+             -> check again -> postprocess (append tokens, stops, seal full pages) -> detokenize, stop strings
+             -> outputs -> every `kv_canary_interval` steps, re-verify a few cached pages (I9)
 
 Thread safety: `add_request` and `abort` may be called from any thread; they only validate and enqueue under a
 lock. Everything else (`step` and what it calls) runs on one thread, the engine loop. Pages used by a running
@@ -15,7 +16,7 @@ import json
 import logging
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -32,14 +33,16 @@ from kvfence.engine.request import Request, RequestState, SamplingParams
 from kvfence.engine.scheduler import Scheduled, Scheduler, SchedulerConfig
 from kvfence.faults import Faults
 from kvfence.ids import PageId, RequestId
-from kvfence.kv.integrity import ReadSet, Violation, check_reads
+from kvfence.kv.integrity import ReadSet, Violation, WriteSet, check_reads, check_writes
 from kvfence.kv.pool import Lease, PagePool, PageState
+from kvfence.kv.prefix_cache import PrefixCache
 from kvfence.model.llama import LlamaForCausalLM
 from kvfence.model.loader import LoadedModel, load_model
 
 log = logging.getLogger("kvfence.engine")
 integrity_log = logging.getLogger("kvfence.integrity")
 RECENT_FAILURES = 32  # integrity failures kept for the KV page map (kvfence/dashboard)
+CANARY_PAGES = 4  # cached pages whose digests one canary check re-verifies
 
 
 @dataclass
@@ -82,9 +85,17 @@ class LLMEngine:
         self.runner = ModelRunner(
             model, num_pages, config.page_size, config.torch_dtype, config.device, self.faults, config.seed
         )
+        self.prefix_cache = (
+            PrefixCache(self.pool, self.runner.page_digests, self.faults)
+            if config.enable_prefix_cache
+            else None
+        )
         sched_cfg = SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.context_length)
         self.scheduler = Scheduler(
-            sched_cfg, self.pool, loaded.config.eos_token_ids or self.tokenizer.eos_token_ids
+            sched_cfg,
+            self.pool,
+            loaded.config.eos_token_ids or self.tokenizer.eos_token_ids,
+            self.prefix_cache,
         )
         self.limits = Limits(self.context_length, num_pages, config.page_size)
         self.outputs = OutputProcessor(self.tokenizer)
@@ -201,6 +212,7 @@ class LLMEngine:
     ) -> Request:
         """Decode side: admit a request whose prompt K/V will arrive by transfer (NEW -> AWAITING_KV)."""
         request = self._admit(prompt_ids, params, request_id, tenant)
+        request.cacheable = False  # its K/V arrives by transfer: nothing to look up, nothing to seal
         request.transition(RequestState.WAITING)
         request.transition(RequestState.AWAITING_KV)
         self._requests[request.request_id] = request
@@ -242,6 +254,8 @@ class LLMEngine:
             return outputs
         scheduled, failed = self._verify(scheduled, after_step=False)
         outputs += failed
+        scheduled, failed = self._check_writes(scheduled)
+        outputs += failed
         if not scheduled:
             return outputs
         self._step_no += 1
@@ -270,7 +284,7 @@ class LLMEngine:
             if out.finished:
                 self._end(self._requests[out.request_id])
         self.stats.preemptions = self.scheduler.num_preemptions
-        return outputs
+        return outputs + self._canary()
 
     def _drain_inbox(self) -> list[RequestOutput]:
         with self._lock:  # adds move to the scheduler under the lock so has_unfinished() never misses them
@@ -325,6 +339,39 @@ class LLMEngine:
             return scheduled, []
         return self._fail_integrity(scheduled, violations)
 
+    def _check_writes(self, scheduled: list[Scheduled]) -> tuple[list[Scheduled], list[RequestOutput]]:
+        """I9: fail every scheduled request whose step would write a sealed (shared, read-only) page. Runs
+        whenever sealed pages can exist, integrity checks on or off: such a write would change K/V that other
+        requests reuse."""
+        if self.prefix_cache is None:
+            return scheduled, []
+        page_size = self.pool.page_size
+        write_sets = [
+            WriteSet(r.request_id, r.pages, r.leases, r.num_computed_tokens // page_size)
+            for r in (s.request for s in scheduled)
+        ]
+        violations = check_writes(self.pool, write_sets)
+        return self._fail_integrity(scheduled, violations) if violations else (scheduled, [])
+
+    def _canary(self) -> list[RequestOutput]:
+        """Every `kv_canary_interval` steps, re-verify the digests of a few cached pages (I9). A corrupt idle
+        page leaves the cache; the running requests that hold a corrupt page fail (PD transfers already
+        reading one are left to finish)."""
+        interval = self.config.kv_canary_interval
+        if self.prefix_cache is None or interval < 1 or self._step_no % interval:
+            return []
+        failures = self.prefix_cache.canary(CANARY_PAGES)
+        for failure in failures:
+            self._remember_failure(failure.as_log(), failure.entry.scope)
+        bad = {f.entry.page for f in failures if f.in_use}
+        victims = [
+            r
+            for r in self._requests.values()
+            if r.state is RequestState.RUNNING and bad.intersection(r.pages)
+        ]
+        self.stats.integrity_failures += len(victims)
+        return [self._fail(r, "kv_integrity_error") for r in victims]
+
     def _fail_integrity(
         self, scheduled: list[Scheduled], violations: list[Violation]
     ) -> tuple[list[Scheduled], list[RequestOutput]]:
@@ -363,17 +410,31 @@ class LLMEngine:
         return list(self._requests.values())
 
     def check_integrity(self, other_holders: Sequence[Lease] = ()) -> None:
-        """Pool invariants, plus: the LEASED pages are exactly the pages live requests (and `other_holders`,
-        e.g. a PD receiver's reservations) hold, each under the lease it holds. Engine thread only (or with the
-        loop stopped). Raises AssertionError."""
+        """Pool (and prefix cache) invariants, plus: the LEASED pages are exactly the pages live requests (and
+        `other_holders`, e.g. a PD receiver's reservations) hold, each in one block table under the lease it
+        holds; a sealed page's reference count is the number of block tables that list it, under its shared
+        lease. Engine thread only (or with the loop stopped). Raises AssertionError."""
         self.pool.check_integrity()
-        held = {p: x for r in self._requests.values() for p, x in zip(r.pages, r.leases, strict=True)}
-        held.update({x.page: x.lease for x in other_holders})
+        if self.prefix_cache is not None:
+            self.prefix_cache.check_integrity()
+        held: dict[int, int] = {}
+        refs: Counter[int] = Counter()
+        holders = [
+            Lease(p, x) for r in self._requests.values() for p, x in zip(r.pages, r.leases, strict=True)
+        ]
+        for item in [*holders, *other_holders]:
+            assert held.setdefault(item.page, item.lease) == item.lease, f"two leases on page {item.page}"
+            refs[item.page] += 1
         leased = {int(p) for p in np.flatnonzero(self.pool.state == PageState.LEASED)}
-        assert set(held) <= leased, "a live request holds a page the pool does not list as leased"
+        sealed = {int(p) for p in np.flatnonzero(self.pool.state == PageState.SEALED)}
+        assert set(held) <= leased | sealed, (
+            "a live request holds a page the pool lists as neither leased nor sealed"
+        )
         stray = leased - set(held)
         assert not stray, f"pages leased by no live request: {sorted(stray)[:8]}"
         assert all(int(self.pool.owner[p]) == x for p, x in held.items()), "lease/owner mismatch"
+        assert all(refs[p] == 1 for p in leased), "a leased (unsealed) page in two block tables"
+        assert all(int(self.pool.refs[p]) == refs[p] for p in sealed), "sealed page reference count"
 
     # ---- offline convenience ----------------------------------------------------------------------------
 

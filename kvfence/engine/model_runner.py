@@ -7,11 +7,13 @@ wrote, so the engine stamps tags from the write path itself rather than from the
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from kvfence.engine.plan import Plan, PlanRow, StepResult
 from kvfence.faults import Faults
-from kvfence.ids import RequestId
+from kvfence.ids import PageId, RequestId
 from kvfence.model.config import ModelConfig
 from kvfence.model.llama import AttentionMetadata, LlamaForCausalLM, PagedKV, PrefillSeq
 from kvfence.model.sampler import Sampler
@@ -37,6 +39,11 @@ class ModelRunner:
         self._sink_slot = num_pages * page_size
         self.sampler = Sampler(device, seed)
         self.faults = faults or Faults()
+
+    def page_digests(self, pages: Sequence[PageId]) -> list[int]:
+        """Content digests of whole pages (xxh3-64 over each page's K/V bytes), for sealing and re-checking
+        prefix-cache pages (kv/prefix_cache.py)."""
+        return [self.cache.page_digest(page) for page in pages]
 
     def run(self, plan: Plan) -> StepResult:
         token_ids, meta, written = self._prepare(plan)

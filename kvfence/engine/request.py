@@ -9,7 +9,8 @@ Lifecycle (legal transitions in `TRANSITIONS`; anything else is a bug and raises
      +--> REJECTED  (terminal; never holds a page)
     any live state --> FAILED (integrity or internal error) | ABORTED (client, timeout)
 
-Pages are held as parallel lists `pages` / `leases`; index i covers token positions [i*P, (i+1)*P).
+Pages are held as parallel lists `pages` / `leases`; index i covers token positions [i*P, (i+1)*P). Pages taken
+from the prefix cache sit in the same lists under their shared (seal) lease (kv/prefix_cache.py).
 """
 
 from __future__ import annotations
@@ -108,6 +109,12 @@ class Request:
     prefill_only: bool = False  # PD prefill side: stop after the first token and hand the pages to a transfer
     # PD decode side: logprobs of the first token (sampled by prefill), emitted with the first output
     pending_logprobs: tuple[tuple[float, tuple[tuple[int, float], ...]], ...] = ()
+    # prefix cache (kv/prefix_cache.py): off for PD decode requests, whose prompt K/V arrives by transfer
+    cacheable: bool = True
+    cache_scope: str | None = None  # the tenant, fixed at the first lookup
+    page_keys: list[bytes] = field(default_factory=list)  # hash chain over the full pages of token_ids
+    num_sealed_pages: int = 0  # pages [0, n) of the block table are sealed (shared or own), or passed over
+    num_cached_tokens: int = 0  # tokens whose K/V came from the cache when the prefill last started
 
     def __post_init__(self) -> None:
         if not self.token_ids:

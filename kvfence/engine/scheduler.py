@@ -10,6 +10,12 @@ Each step (`schedule`):
      are cut into chunks that fit the budget (chunked prefill). New requests never preempt running ones.
 `postprocess` appends sampled tokens, and finishes requests on EOS, stop ids, max_tokens or context length.
 `finish` is the only way a request leaves: its pages go back to the pool (quarantine first, see kv/pool.py).
+
+Prefix cache (kv/prefix_cache.py), when enabled: a waiting request starts from its longest cached prefix under
+its own tenant (shared leases on sealed pages; `num_computed_tokens` starts after them). At least one token is
+always computed, in a page of its own, so the first token can be sampled and no step writes a shared page.
+After each step, pages the step filled are sealed into the cache. Releases go through the pool's reference
+counts, last page first, so the LRU evicts a sequence's tail before its head.
 """
 
 from __future__ import annotations
@@ -20,7 +26,8 @@ from dataclasses import dataclass
 from kvfence.engine.plan import Plan, PlanRow
 from kvfence.engine.request import Request, RequestState
 from kvfence.ids import RequestId
-from kvfence.kv.pool import PagePool
+from kvfence.kv.pool import Lease, PagePool
+from kvfence.kv.prefix_cache import CachedPage, PrefixCache
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,9 +48,16 @@ class Scheduled:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, pool: PagePool, eos_token_ids: tuple[int, ...]) -> None:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        pool: PagePool,
+        eos_token_ids: tuple[int, ...],
+        cache: PrefixCache | None = None,
+    ) -> None:
         self.config = config
         self.pool = pool
+        self.cache = cache
         self.eos_token_ids = frozenset(eos_token_ids)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -79,14 +93,14 @@ class Scheduler:
                 budget -= num_new
         while self.waiting and budget > 0 and not preempted and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            if not self._grow(request, num_new):
+            started = self._start(request, budget)
+            if started is None:
                 break
             self.waiting.popleft()
             request.transition(RequestState.RUNNING)
             self.running.append(request)
-            scheduled.append(Scheduled(request, num_new))
-            budget -= num_new
+            scheduled.append(Scheduled(request, started))
+            budget -= started
         return scheduled
 
     def _grow(self, request: Request, num_new: int) -> bool:
@@ -99,9 +113,64 @@ class Scheduler:
         request.add_leases(self.pool.allocate(need))
         return True
 
+    def _start(self, request: Request, budget: int) -> int | None:
+        """Lease what a waiting request's first chunk needs, after its longest cached prefix; the number of new
+        tokens to run, or None if the pool is short (then the request holds nothing)."""
+        request.num_cached_tokens = 0
+        hit = self._lookup(request)
+        if hit:
+            num_new = min(request.num_tokens - len(hit) * self.pool.page_size, budget)
+            need = self.pool.pages_for(len(hit) * self.pool.page_size + num_new) - len(hit)
+            idle = sum(self.pool.is_idle(e.page) for e in hit)  # sharing them takes them off the free count
+            if not self.pool.can_allocate(need + idle):
+                return None
+            self._reuse(request, hit)
+        num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+        if not self._grow(request, num_new):
+            self._release(request)
+            request.num_computed_tokens = 0
+            return None
+        if self.cache is not None and request.cacheable:
+            self.cache.record(request.tenant, request.num_tokens, request.num_cached_tokens)
+        return num_new
+
+    def _lookup(self, request: Request) -> list[CachedPage]:
+        if self.cache is None or not request.cacheable:
+            return []
+        assert not request.pages and request.num_computed_tokens == 0, "a waiting request holds pages"
+        if request.cache_scope is None:
+            request.cache_scope = self.cache.scope_for(request.tenant)
+        # the last token must run (to sample the next one), in a page of the request's own
+        max_pages = (request.num_tokens - 1) // self.pool.page_size
+        return self.cache.match(request.cache_scope, request.token_ids, request.page_keys, max_pages)
+
+    def _reuse(self, request: Request, hit: list[CachedPage]) -> None:
+        """Take shared leases on the verified part of `hit`; the prefill starts after it."""
+        assert self.cache is not None
+        hit = self.cache.verify(hit)
+        request.add_leases(self.cache.acquire(hit))
+        request.num_sealed_pages = len(hit)
+        request.num_computed_tokens = request.num_cached_tokens = len(hit) * self.pool.page_size
+
+    def _seal(self, request: Request) -> None:
+        """Seal the pages the last step filled (prefix cache on): they become shared and read-only."""
+        full = request.num_computed_tokens // self.pool.page_size
+        if self.cache is None or request.cache_scope is None or full <= request.num_sealed_pages:
+            return
+        leases = [Lease(p, x) for p, x in zip(request.pages[:full], request.leases[:full], strict=True)]
+        self.cache.seal(
+            request.cache_scope, request.token_ids, request.page_keys, leases, request.num_sealed_pages
+        )
+        request.num_sealed_pages = full
+
+    def _release(self, request: Request) -> None:
+        """All of the request's pages back to the pool, last first (for the LRU: tails are evicted first)."""
+        self.pool.release(reversed(request.take_leases()))
+        request.num_sealed_pages = 0
+
     def _preempt(self, request: Request) -> None:
         """Recompute later: drop the request's K/V and pages, keep its tokens, put it at the head of the queue."""
-        self.pool.release(request.take_leases())
+        self._release(request)
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
@@ -139,6 +208,7 @@ class Scheduler:
             if request.state is not RequestState.RUNNING:
                 continue  # failed or aborted while the step ran
             request.num_computed_tokens += item.num_new_tokens
+            self._seal(request)
             token = sampled.get(request.request_id)
             if token is None:
                 continue  # a prefill chunk that did not reach the end of the prompt
@@ -183,4 +253,4 @@ class Scheduler:
             self.running.remove(request)
         request.transition(state)
         request.finish_reason, request.error_code = reason, error_code
-        self.pool.release(request.take_leases())
+        self._release(request)

@@ -6,8 +6,14 @@ For every page in every scheduled request's block table, two facts must hold:
 2. the page's tag matches what the request has done to it: its own lease id for every page it has written,
    `NO_TAG` for pages it has not written yet (so a late write by anyone else shows up as a foreign tag).
 
+Shared prefix-cache pages need no special case: a sealed page keeps its seal lease as owner and tag, and a
+request reusing it records that same lease in its block table (kv/pool.py), so it passes only for holders of
+its shared lease.
+
 The check is one vectorized pass over the concatenated block tables of the whole batch (a few microseconds for
 a batch of 64). A violation fails only the request it belongs to; the caller quarantines that request's pages.
+
+`check_writes` (I9) runs before a step too: the pages a step is about to write must be leased, never sealed.
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvfence.ids import NO_TAG, LeaseId, PageId, RequestId
-from kvfence.kv.pool import PagePool
+from kvfence.kv.pool import PagePool, PageState
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,7 +42,8 @@ class Violation:
     request_id: RequestId
     page: PageId
     page_index: int  # position in the request's block table
-    kind: str  # "owner": allocator lists another lease; "tag": last writer is not who it should be
+    kind: str  # "owner": allocator lists another lease; "tag": last writer is not who it should be;
+    # "sealed": a step was about to write a sealed (shared, read-only) page
     expected: int
     found: int
 
@@ -84,5 +91,39 @@ def check_reads(pool: PagePool, read_sets: Sequence[ReadSet]) -> list[Violation]
             kind="owner" if owner_bad else "tag",
             expected=int(leases[i] if owner_bad else expected_tag[i]),
             found=int(owner[i] if owner_bad else tag[i]),
+        )
+    return list(violations.values())
+
+
+@dataclass(frozen=True, slots=True)
+class WriteSet:
+    """The pages a request's next step writes: its block table from index `first` on."""
+
+    request_id: RequestId
+    pages: Sequence[PageId]
+    leases: Sequence[LeaseId]
+    first: int
+
+
+def check_writes(pool: PagePool, write_sets: Sequence[WriteSet]) -> list[Violation]:
+    """I9: no step may write a sealed page. At most one violation per request about to write one."""
+    counts = [len(ws.pages) - ws.first for ws in write_sets]
+    pages = np.fromiter(
+        (p for ws in write_sets for p in ws.pages[ws.first :]), dtype=np.int64, count=sum(counts)
+    )
+    sealed = pool.state[pages] == PageState.SEALED
+    if not sealed.any():
+        return []
+    row_of = np.repeat(np.arange(len(write_sets)), counts)
+    violations: dict[int, Violation] = {}
+    for i in np.flatnonzero(sealed):
+        row = int(row_of[i])
+        ws = write_sets[row]
+        index = ws.first + int(i) - sum(counts[:row])
+        violations.setdefault(
+            row,
+            Violation(
+                ws.request_id, ws.pages[index], index, "sealed", ws.leases[index], int(pool.owner[pages[i]])
+            ),
         )
     return list(violations.values())

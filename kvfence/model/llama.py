@@ -21,8 +21,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import NamedTuple
 
+import numpy as np
 import torch
 import torch.nn.functional as F
+import xxhash
 from torch import Tensor, nn
 
 from kvfence.model.config import ModelConfig
@@ -89,6 +91,16 @@ class PagedKV:
     def read_page(self, page: int) -> bytes:
         """One page's K/V for all layers as bytes, layout [L, 2, S, Hkv, Dh] (independent of placement)."""
         return bytes(self.kv[:, :, page].contiguous().view(torch.uint8).cpu().numpy().tobytes())
+
+    def page_digest(self, page: int) -> int:
+        """xxh3-64 of `read_page(page)`: the page's K/V for all layers, layout [L, 2, S, Hkv, Dh]. On CPU the
+        strided copy goes through numpy, single-threaded: torch's parallel copy of 60 small blocks costs ten
+        times more on a busy machine (about 0.1 ms against 1-8 ms for a 737 KB page here)."""
+        if self.kv.device.type == "cpu":
+            raw = self.kv.view(torch.uint8).numpy()  # [L, 2, P, S, Hkv, Dh * itemsize], a view
+            return xxhash.xxh3_64_intdigest(np.ascontiguousarray(raw[:, :, page]).data)
+        block = self.kv[:, :, page].contiguous().view(torch.uint8).cpu()
+        return xxhash.xxh3_64_intdigest(block.numpy().data)
 
     def write_page(self, page: int, payload: bytes) -> None:
         """Inverse of read_page: the receiving side of a transfer frame."""

@@ -84,6 +84,8 @@ def _workers(router: Router, args: argparse.Namespace) -> Iterator[list[subproce
             common += [flag, str(value)]
     common += ["--clamp-context-length"] if args.clamp_context_length else []
     common += ["--allow-undersized-pool"] if args.allow_undersized_pool else []
+    common += ["--kv-canary-interval", str(args.kv_canary_interval)]
+    common += [] if args.enable_prefix_cache else ["--no-enable-prefix-cache"]
     procs = []
     for role, pages in (("prefill", args.prefill_kv_pages), ("decode", args.decode_kv_pages)):
         cmd = [sys.executable, "-m", "kvfence", role, *common]

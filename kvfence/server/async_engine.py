@@ -35,6 +35,7 @@ from kvfence.engine.output import RequestOutput
 from kvfence.engine.request import Request, SamplingParams
 from kvfence.ids import RequestId
 from kvfence.kv.pool import PoolStats
+from kvfence.kv.prefix_cache import PrefixCacheStats
 
 log = logging.getLogger("kvfence.server")
 T = TypeVar("T")
@@ -58,6 +59,7 @@ class EngineSnapshot:
     integrity_failures: int
     pages_checked: int
     outcomes: dict[str, int] = field(default_factory=dict)
+    prefix_cache: PrefixCacheStats | None = None  # None when the engine runs without a prefix cache
 
 
 @dataclass(frozen=True, slots=True)
@@ -234,6 +236,7 @@ class AsyncEngine:
             integrity_failures=e.stats.integrity_failures,
             pages_checked=e.stats.pages_checked,
             outcomes=dict(e.stats.outcomes),
+            prefix_cache=cache.stats() if (cache := getattr(e, "prefix_cache", None)) is not None else None,
         )
 
     # ---- helpers (any thread, under self._cond) -------------------------------------------------------

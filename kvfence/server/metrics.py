@@ -2,8 +2,8 @@
 
 Boundary: observes; never changes what is served. `ServerMetrics` is the `AsyncEngine` observer (called on
 the engine thread; prometheus-client is thread-safe) and counts rejections reported by the HTTP layer. Engine
-gauges (running, waiting, KV pages, integrity counters) come from an `EngineSnapshot` taken between steps at
-scrape time, so they are consistent with each other.
+gauges (running, waiting, KV pages, integrity counters, prefix cache) come from an `EngineSnapshot` taken
+between steps at scrape time, so they are consistent with each other.
 
 Log line (logger `kvfence.requests`, JSON): request id, tenant, the client's `user` field (a label the client
 chose, kept apart from the authenticated tenant), outcome, reason, token counts, pages checked by I1 over the
@@ -20,6 +20,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from kvfence.kv.prefix_cache import PrefixCacheStats
 from kvfence.server.async_engine import EngineSnapshot, RequestEnd
 
 request_log = logging.getLogger("kvfence.requests")
@@ -138,17 +139,47 @@ class _EngineCollector(Collector):
         yield _gauge("kvfence_requests_running", "Requests in the running batch", s.num_running)
         yield _gauge("kvfence_requests_waiting", "Requests waiting to be scheduled", s.num_waiting)
         pages = GaugeMetricFamily("kvfence_kv_pages", "KV pool pages by state", labels=["state"])
-        pages.add_metric(["free"], s.pool.num_free)
+        pages.add_metric(["free"], s.pool.num_free - s.pool.num_cached)
         pages.add_metric(["leased"], s.pool.num_leased)
         pages.add_metric(["quarantined"], s.pool.num_quarantined)
+        pages.add_metric(["sealed"], s.pool.num_sealed)  # prefix-cache pages that requests hold
+        pages.add_metric(["cached"], s.pool.num_cached)  # idle prefix-cache pages: reusable, evictable
         yield pages
         yield _gauge("kvfence_kv_pages_total", "KV pool size in pages", s.pool.num_pages)
         yield _counter("kvfence_integrity_checks", "Per-request I1 checks performed", s.integrity_checks)
         yield _counter("kvfence_integrity_pages_checked", "Pages verified by I1 checks", s.pages_checked)
         yield _counter("kvfence_integrity_failures", "Requests failed by an I1 check", s.integrity_failures)
+        if s.prefix_cache is not None:
+            yield from _prefix_cache_metrics(s.prefix_cache)
 
     def describe(self) -> Iterator[Metric]:
         return iter(())
+
+
+def _prefix_cache_metrics(c: PrefixCacheStats) -> Iterator[Metric]:
+    yield _gauge(
+        "kvfence_prefix_cache_pages", "Sealed pages in the prefix cache (held or idle)", c.num_cached_pages
+    )
+    yield _counter("kvfence_prefix_cache_evictions", "Idle cached pages evicted to make room", c.evictions)
+    failures = "Cached pages whose K/V no longer matched their digest"
+    yield _counter("kvfence_prefix_cache_digest_failures", failures, c.digest_failures)
+    yield _counter(
+        "kvfence_prefix_cache_pages_verified", "Digests re-checked (reuse, canary)", c.pages_verified
+    )
+    queried = CounterMetricFamily(
+        "kvfence_prefix_cache_queried_tokens", "Tokens looked up in the prefix cache", labels=["tenant"]
+    )
+    hits = CounterMetricFamily(
+        "kvfence_prefix_cache_hit_tokens", "Looked-up tokens whose K/V came from the cache", labels=["tenant"]
+    )
+    rate = GaugeMetricFamily(
+        "kvfence_prefix_cache_hit_rate", "Hit tokens / queried tokens, per tenant", labels=["tenant"]
+    )
+    for tenant, t in sorted(c.tenants.items()):
+        queried.add_metric([tenant], t.queried_tokens)
+        hits.add_metric([tenant], t.hit_tokens)
+        rate.add_metric([tenant], t.hit_tokens / t.queried_tokens if t.queried_tokens else 0.0)
+    yield from (queried, hits, rate)
 
 
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
