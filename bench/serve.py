@@ -119,10 +119,11 @@ async def server_token_count(client: httpx.AsyncClient, model: str, text: str) -
     for body, key in (({"model": model, "prompt": text}, "tokens"), ({"content": text}, "tokens")):
         try:
             r = await client.post("/tokenize", json=body)
-        except httpx.HTTPError:
-            return None
-        if r.status_code == 200 and key in r.json():
-            return len(r.json()[key])
+            tokens = r.json().get(key) if r.status_code == 200 else None
+        except (httpx.HTTPError, ValueError):
+            continue
+        if tokens:  # an empty list: the server read another field (llama.cpp ignores "prompt")
+            return len(tokens)
     return None
 
 
