@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from kvfence import trace
 from kvfence.engine.admission import Limits, admit
 from kvfence.engine.config import EngineConfig
 from kvfence.engine.errors import DuplicateRequestId, InvalidSamplingParams
@@ -64,7 +65,11 @@ class EngineStats:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
+    def __init__(
+        self, config: EngineConfig, loaded: LoadedModel | None = None, runner: ModelRunner | None = None
+    ) -> None:
+        """`runner`: a stand-in for the model runner (the simulator's, kvfence/sim); `loaded` then only needs
+        the model config and tokenizer."""
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.config = config
@@ -79,12 +84,20 @@ class LLMEngine:
         self.pool = PagePool(
             num_pages, config.page_size, faults=self.faults, lease_prefix=config.lease_prefix
         )
-        model = LlamaForCausalLM.from_weights(
-            loaded.config, loaded.weights, config.torch_dtype, config.device
-        )
-        self.runner = ModelRunner(
-            model, num_pages, config.page_size, config.torch_dtype, config.device, self.faults, config.seed
-        )
+        if runner is None:
+            model = LlamaForCausalLM.from_weights(
+                loaded.config, loaded.weights, config.torch_dtype, config.device
+            )
+            runner = ModelRunner(
+                model,
+                num_pages,
+                config.page_size,
+                config.torch_dtype,
+                config.device,
+                self.faults,
+                config.seed,
+            )
+        self.runner = runner
         self.prefix_cache = (
             PrefixCache(self.pool, self.runner.page_digests, self.faults)
             if config.enable_prefix_cache
@@ -205,6 +218,10 @@ class LLMEngine:
                 self._remember_failure(violations[0].as_log(), request.tenant)
                 self.stats.integrity_failures += 1
                 return violations[0]
+        if trace.enabled:
+            lease_ids = [int(request.leases[i]) for i in indices]
+            trace.emit("read", request_id=request.request_id, pages=[int(p) for p in pages], leases=lease_ids,
+                       written=len(pages))  # fmt: skip
         return [self.runner.cache.read_page(p) for p in pages]
 
     def expect_transfer(
@@ -262,6 +279,10 @@ class LLMEngine:
         plan = Scheduler.build_plan(scheduled, self._step_no)
         held = plan.all_pages
         self.pool.hold(held)
+        if trace.enabled:  # what each row reads: its block table, the first pages its own writes
+            for row in plan.rows:
+                trace.emit("read", request_id=row.request_id, pages=[int(p) for p in row.pages],
+                           leases=[int(x) for x in row.leases], written=self.pool.pages_for(row.start_pos))  # fmt: skip
         try:
             result = self.runner.run(plan)
             self._stamp(plan, result)

@@ -38,6 +38,7 @@ from enum import IntEnum
 import numpy as np
 import numpy.typing as npt
 
+from kvfence import trace
 from kvfence.faults import Faults
 from kvfence.ids import NO_TAG, LeaseId, PageId
 
@@ -142,6 +143,8 @@ class PagePool:
             self.tag[page] = NO_TAG
             self.state[page] = PageState.LEASED
             leases.append(Lease(page, lease))
+            if trace.enabled:
+                trace.emit("alloc", page=int(page), lease=int(lease))
         self._last_leased = leases[-1:] or self._last_leased
         return leases
 
@@ -167,7 +170,10 @@ class PagePool:
         refused = []
         for item in leases:
             page = item.page
-            if int(self.owner[page]) != item.lease or self.state[page] not in _RELEASABLE:
+            ok = int(self.owner[page]) == item.lease and self.state[page] in _RELEASABLE
+            if trace.enabled:
+                trace.emit("release", page=int(page), lease=int(item.lease), ok=ok)
+            if not ok:
                 refused.append(item)
             elif self.state[page] == PageState.SEALED:
                 self._unref(page)
@@ -178,15 +184,21 @@ class PagePool:
     def hold(self, pages: Sequence[PageId] | npt.NDArray[np.int64]) -> None:
         """Mark pages as in use by an in-flight reader/writer; they cannot leave quarantine until `unhold`."""
         np.add.at(self.holds, np.asarray(pages, dtype=np.int64), 1)
+        if trace.enabled:
+            trace.emit("hold", pages=[int(p) for p in pages])
 
     def unhold(self, pages: Sequence[PageId] | npt.NDArray[np.int64]) -> None:
         idx = np.asarray(pages, dtype=np.int64)
         np.add.at(self.holds, idx, -1)
+        if trace.enabled:
+            trace.emit("unhold", pages=[int(p) for p in pages])
         assert (self.holds[idx] >= 0).all(), "unhold without matching hold"
         for page in np.unique(idx[self.state[idx] == PageState.QUARANTINED]):
             self._reclaim(PageId(int(page)))
 
     def _quarantine(self, page: PageId) -> None:
+        if trace.enabled:
+            trace.emit("quarantine", page=int(page))
         self.owner[page] = NO_TAG
         self.refs[page] = 0
         self.cached[page] = False
@@ -195,6 +207,8 @@ class PagePool:
 
     def _reclaim(self, page: PageId) -> None:
         if self.holds[page] == 0 and self.state[page] == PageState.QUARANTINED:
+            if trace.enabled:
+                trace.emit("reclaim", page=int(page))
             self.state[page] = PageState.FREE
             self.tag[page] = NO_TAG
             self._free.append(page)
@@ -214,6 +228,8 @@ class PagePool:
         self.state[page] = PageState.SEALED
         self.refs[page] = 1
         self.cached[page] = True
+        if trace.enabled:
+            trace.emit("seal", page=int(page), lease=int(lease))
         return True
 
     def share(self, page: PageId, lease: LeaseId) -> bool:
@@ -223,6 +239,8 @@ class PagePool:
             return False
         self.refs[page] += 1
         self._idle.pop(page, None)
+        if trace.enabled:
+            trace.emit("share", page=int(page), lease=int(lease))
         return True
 
     def is_idle(self, page: PageId) -> bool:
@@ -272,6 +290,8 @@ class PagePool:
             pages, leases = self._maybe_skip_stamp(pages, leases)
         if pages:
             self.tag[np.asarray(pages, dtype=np.int64)] = np.asarray(leases, dtype=np.uint64)
+            if trace.enabled:
+                trace.emit("stamp", pages=[int(p) for p in pages], leases=[int(x) for x in leases])
 
     def _maybe_skip_stamp(
         self, pages: Sequence[PageId], leases: Sequence[LeaseId]
