@@ -7,15 +7,19 @@ import contextlib
 import os
 import queue
 import random
+import socket
 import subprocess
 import sys
 import time
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 
+import httpx
 import pytest
 
 from kvfence.engine.request import SamplingParams
 from kvfence.pd.router import Router
+from kvfence.pd.serve import reap
 from tests.conftest import make_engine, run_all
 
 
@@ -57,11 +61,7 @@ def start_cluster(
         yield router
     finally:
         router.shutdown()
-        for p in procs:
-            try:
-                p.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        reap(procs)
 
 
 def jobs_for(model, n: int, seed: int, prefix: str = "r") -> dict[str, list[int]]:
@@ -106,3 +106,35 @@ def audit_clean(router: Router, within_s: float = 30.0) -> None:
             return
         assert time.monotonic() < deadline, f"pages not free after {within_s} s: {leaking}"
         time.sleep(0.1)  # poll interval
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextlib.contextmanager
+def pd_serve(
+    model_dir: Path, keys_file: Path, *flags: str, env: dict[str, str] | None = None
+) -> Iterator[str]:
+    """`kvfence serve --mode pd` (router + prefill + decode processes, 2 threads); yields the base URL once
+    /health answers, fails at once if the server exits."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "kvfence", "serve", "--mode", "pd", "--model", str(model_dir), "--port",
+           str(port), "--api-keys", str(keys_file), "--threads", "2", *flags]  # fmt: skip
+    proc = subprocess.Popen(cmd, env={**os.environ, "KVFENCE_FAULTS": "", **(env or {})})
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 180
+        while True:  # poll /health until the router answers
+            with contextlib.suppress(httpx.TransportError):
+                if httpx.get(f"{url}/health", timeout=1.0).status_code == 200:
+                    break
+            assert time.monotonic() < deadline, "PD server did not come up"
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=0.5)  # the poll interval, cut short only if the server exits
+                pytest.fail("kvfence serve --mode pd exited")
+        yield url
+    finally:
+        reap([proc], terminate=True)

@@ -12,8 +12,6 @@ import io
 import os
 import random
 import shutil
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -53,8 +51,8 @@ from kvfence.server.metrics import ServerMetrics
 from kvfence.server.preflight import preflight_config
 from kvfence.server.serving import ServerSettings
 from tests.conftest import make_engine
+from tests.pd_cluster import pd_serve
 from tests.server_harness import MODEL, Handle
-from tests.test_pd_http import free_port
 
 T = TypeVar("T")
 KEYS = {"sk-team-a": "team-a", "sk-team-b": "team-b"}
@@ -373,29 +371,10 @@ def test_top_prints_the_map_for_a_headless_host(server):
 def pd_url(tiny_dir, tmp_path_factory) -> Iterator[str]:
     keys = tmp_path_factory.mktemp("keys") / "keys.toml"
     keys.write_text("".join(f'"{k}" = "{t}"\n' for k, t in KEYS.items()))
-    port = free_port()
-    cmd = [sys.executable, "-m", "kvfence", "serve", "--mode", "pd", "--model", str(tiny_dir), "--port", str(port),
-           "--served-model-name", MODEL, "--page-size", "4", "--prefill-kv-pages", "96", "--decode-kv-pages", "192",
-           "--threads", "2", "--api-keys", str(keys), "--admin-key", ADMIN]  # fmt: skip
-    proc = subprocess.Popen(cmd, env={**os.environ, "KVFENCE_FAULTS": "", "KVFENCE_ADMIN_KEY": ""})
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_until(lambda: _health(url, proc), bool, "the PD router to come up")
+    flags = ["--served-model-name", MODEL, "--page-size", "4", "--prefill-kv-pages", "96", "--decode-kv-pages",
+             "192", "--admin-key", ADMIN]  # fmt: skip
+    with pd_serve(tiny_dir, keys, *flags, env={"KVFENCE_ADMIN_KEY": ""}) as url:
         yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-
-
-def _health(url: str, proc: subprocess.Popen[bytes]) -> bool:
-    assert proc.poll() is None, "kvfence serve --mode pd exited"
-    try:
-        return httpx.get(f"{url}/health", timeout=1.0).status_code == 200
-    except httpx.TransportError:
-        return False
 
 
 def test_pd_router_aggregates_every_workers_map(pd_url):

@@ -7,13 +7,8 @@ allocated anywhere, while normal prompts get the same greedy output as colocated
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
 import random
-import socket
-import subprocess
-import sys
 import time
 
 import httpx
@@ -22,46 +17,26 @@ from openai import BadRequestError, OpenAI
 
 from kvfence.engine.request import SamplingParams
 from tests.conftest import make_engine, run_all
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
+from tests.pd_cluster import pd_serve
 
 KEYS = {"key-a": "tenant-a", "key-b": "tenant-b"}
 
 
 @pytest.fixture(scope="module")
 def pd_server(tiny_dir, tmp_path_factory):
-    port = free_port()
     keys = tmp_path_factory.mktemp("keys") / "keys.json"
     keys.write_text(json.dumps(KEYS))
-    cmd = [sys.executable, "-m", "kvfence", "serve", "--mode", "pd", "--model", str(tiny_dir), "--port", str(port),
-           "--page-size", "4", "--prefill-kv-pages", "32", "--decode-kv-pages", "96", "--allow-undersized-pool",
-           "--threads", "2", "--api-keys", str(keys)]  # fmt: skip
-    proc = subprocess.Popen(cmd, env={**os.environ, "KVFENCE_FAULTS": ""})
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 180
-        while True:  # poll /health until the router answers; fail at once if the server died
-            try:
-                if httpx.get(f"{base}/health", timeout=1.0).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "PD server did not come up"
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(timeout=0.5)  # the poll interval, cut short only if the server exits
-                pytest.fail("kvfence serve --mode pd exited")
+    flags = [
+        "--page-size",
+        "4",
+        "--prefill-kv-pages",
+        "32",
+        "--decode-kv-pages",
+        "96",
+        "--allow-undersized-pool",
+    ]
+    with pd_serve(tiny_dir, keys, *flags) as base:
         yield OpenAI(base_url=f"{base}/v1", api_key="key-a", max_retries=0, timeout=120)
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
 
 
 def test_pd_http_matches_colocated(pd_server, tiny_model, tiny_dir):

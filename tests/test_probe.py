@@ -8,19 +8,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import os
 import random
-import socket
-import subprocess
-import sys
 import threading
-import time
 from collections import deque
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -44,6 +38,7 @@ from kvfence.probe.plan import Expect, Job, Kind, Limits, Tenant, build_plan
 from kvfence.probe.prompts import TRIGGER, TokenModel, TokenRange, a_prompt, b_prompt, fit, shuffled
 from kvfence.probe.stats import mann_whitney_less
 from kvfence.server.background import serve_in_thread
+from tests.pd_cluster import free_port, pd_serve
 
 KEYS = {"key-a": "team-a", "key-b": "team-b"}
 EXACT = TokenModel("usage", base=6.0, per_word=1.0, exact=True)
@@ -349,12 +344,6 @@ def test_a_server_that_answers_over_length_prompts_with_200_is_reported(tmp_path
     assert over == {"at_limit", "over_limit"}
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.mark.parametrize(
     "case",
     ["unreachable", "wrong key", "unknown model", "no context length", "same keys", "too few requests"],
@@ -392,35 +381,6 @@ def test_kvfence_colocated_is_clean(tiny_model, tmp_path):
     assert report["requests"]["outcomes"]["served"] >= 35
 
 
-@contextlib.contextmanager
-def pd_serve(model_dir: Path, *flags: str) -> Iterator[str]:
-    """`kvfence serve --mode pd` (router + prefill + decode processes); yields the base URL once it answers."""
-    keys = model_dir.parent / "keys.json"
-    keys.write_text(json.dumps(KEYS))
-    port = free_port()
-    cmd = [sys.executable, "-m", "kvfence", "serve", "--mode", "pd", "--model", str(model_dir), "--port",
-           str(port), "--api-keys", str(keys), "--threads", "2", *flags]  # fmt: skip
-    proc = subprocess.Popen(cmd, env={**os.environ, "KVFENCE_FAULTS": ""})
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 180
-        while True:  # poll /health until the router answers; fail at once if the server died
-            with contextlib.suppress(httpx.TransportError):
-                if httpx.get(f"{url}/health", timeout=1.0).status_code == 200:
-                    break
-            assert time.monotonic() < deadline, "PD server did not come up"
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(timeout=0.5)  # the poll interval, cut short only if the server exits
-                pytest.fail("kvfence serve --mode pd exited")
-        yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-
-
 def test_kvfence_pd_with_an_undersized_prefill_pool_is_clean(tiny_dir, tmp_path):
     """The 2026 incident's configuration (a prefill pool smaller than the context), allowed only with
     --allow-undersized-pool: kvfence refuses what the pool cannot hold, and nothing else goes wrong."""
@@ -433,7 +393,9 @@ def test_kvfence_pd_with_an_undersized_prefill_pool_is_clean(tiny_dir, tmp_path)
         "160",
         "--allow-undersized-pool",
     ]
-    with pd_serve(tiny_dir, *flags) as url:
+    keys = tiny_dir.parent / "keys.json"
+    keys.write_text(json.dumps(KEYS))
+    with pd_serve(tiny_dir, keys, *flags) as url:
         status, report = probe(url, tmp_path, "--pool-tokens", "128", "--context-length", "256",
                                model=tiny_dir.name)  # fmt: skip
     assert status == 0, report["findings"]

@@ -7,6 +7,7 @@ import logging
 import sys
 
 from kvfence.cli import add_engine_args, engine_config_from_args
+from kvfence.pd.serve import add_timeout_args
 from kvfence.server.launch import add_server_args
 
 
@@ -16,16 +17,7 @@ def add_worker_commands(sub: argparse._SubParsersAction) -> None:  # type: ignor
         p.add_argument(
             "--router", required=True, help="the router's control address, e.g. tcp://10.0.0.1:7000"
         )
-        p.add_argument(
-            "--transfer-timeout",
-            type=float,
-            default=30.0,
-            help="seconds without progress (a frame, an ack) before a KV transfer is given up",
-        )
-        p.add_argument(
-            "--prefill-timeout", type=float, default=300.0,
-            help="seconds a reserved transfer may wait for its prefill to finish (long prompts, busy workers)",
-        )  # fmt: skip
+        add_timeout_args(p)
         if role == "prefill":
             p.add_argument("--data", default="tcp://127.0.0.1:0", help="address to bind the KV data socket")
             p.add_argument(

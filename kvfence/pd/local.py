@@ -60,10 +60,13 @@ class LocalPDPair:
         self._first_logprobs: dict[RequestId, tuple[float, tuple[tuple[int, float], ...]]] = {}
         self.failed: list[RequestOutput] = []
 
-    def add_request(self, prompt_ids: Sequence[int], params: SamplingParams, request_id: str) -> None:
-        """Admission on both sides first (I5), then the prefill starts."""
-        self.decode.expect_transfer(prompt_ids, params, request_id)
-        self.prefill.add_request(prompt_ids, params, request_id=request_id, prefill_only=True)
+    def add_request(
+        self, prompt_ids: Sequence[int], params: SamplingParams, request_id: str, tenant: str = "anonymous"
+    ) -> None:
+        """Admission on both sides first (I5), then the prefill starts. `tenant` scopes the prefill's prefix
+        cache (I7)."""
+        self.decode.expect_transfer(prompt_ids, params, request_id, tenant)
+        self.prefill.add_request(prompt_ids, params, request_id=request_id, tenant=tenant, prefill_only=True)
 
     def step(self) -> list[RequestOutput]:
         if self.prefill.has_unfinished():

@@ -12,7 +12,7 @@ import logging
 import signal
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from kvfence.pd.router import Router
@@ -25,6 +25,18 @@ def add_pd_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-kv-pages", type=int, default=None, help="PD: the prefill worker's pool (pages)")
     p.add_argument("--decode-kv-pages", type=int, default=None, help="PD: the decode worker's pool (pages)")
     p.add_argument("--transfer-window", type=int, default=8, help="PD: page frames in flight per transfer")
+    add_timeout_args(p)
+
+
+def add_timeout_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--transfer-timeout", type=float, default=30.0,
+        help="PD: seconds without progress (a frame, an ack) before a KV transfer is given up",
+    )  # fmt: skip
+    p.add_argument(
+        "--prefill-timeout", type=float, default=300.0,
+        help="PD: seconds a reserved transfer may wait for its prefill to finish (long prompts, busy workers)",
+    )  # fmt: skip
 
 
 def add_router_command(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -63,13 +75,13 @@ def cmd_serve_pd(args: argparse.Namespace) -> int:
     _exit_on_sigterm()
     router = Router(bind="tcp://127.0.0.1:0")
     with _workers(router, args) as procs:
-        for _ in range(REGISTRATION_TIMEOUT_S):
-            if router.wait_for_workers(1, 1, timeout=1.0):
-                break
-            if any(p.poll() is not None for p in procs):
-                print("kvfence serve --mode pd: a worker exited (see its preflight above)", file=sys.stderr)
-                return 1
-        else:
+        if not router.wait_for_workers(
+            1, 1, REGISTRATION_TIMEOUT_S, alive=lambda: all(p.poll() is None for p in procs)
+        ):
+            print(
+                "kvfence serve --mode pd: the workers did not register (see their preflight above)",
+                file=sys.stderr,
+            )
             return 1
         return serve_http(router, args)
 
@@ -78,36 +90,61 @@ def cmd_serve_pd(args: argparse.Namespace) -> int:
 def _workers(router: Router, args: argparse.Namespace) -> Iterator[list[subprocess.Popen[bytes]]]:
     threads = str(max(1, (args.threads or 2) // 2))  # two workers share this machine's cores
     common = ["--router", router.addr, "--model", args.model, "--dtype", args.dtype, "--device", args.device,
-              "--page-size", str(args.page_size), "--threads", threads]  # fmt: skip
-    for flag, value in (("--context-length", args.context_length),):
-        if value is not None:
-            common += [flag, str(value)]
+              "--page-size", str(args.page_size), "--threads", threads,
+              "--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens", str(args.max_num_batched_tokens),
+              "--transfer-timeout", str(args.transfer_timeout), "--prefill-timeout", str(args.prefill_timeout),
+              "--kv-canary-interval", str(args.kv_canary_interval)]  # fmt: skip
+    common += ["--context-length", str(args.context_length)] if args.context_length is not None else []
     common += ["--clamp-context-length"] if args.clamp_context_length else []
     common += ["--allow-undersized-pool"] if args.allow_undersized_pool else []
-    common += ["--kv-canary-interval", str(args.kv_canary_interval)]
+    common += ["--no-integrity-checks"] if args.no_integrity_checks else []
     common += [] if args.enable_prefix_cache else ["--no-enable-prefix-cache"]
     procs = []
     for role, pages in (("prefill", args.prefill_kv_pages), ("decode", args.decode_kv_pages)):
         cmd = [sys.executable, "-m", "kvfence", role, *common]
-        cmd += ["--kv-pages", str(pages or args.kv_pages)] if (pages or args.kv_pages) else []
+        if (
+            pages or args.kv_pages
+        ):  # a role's own size wins over --kv-pages, which wins over --kv-cache-memory
+            cmd += ["--kv-pages", str(pages or args.kv_pages)]
+        elif args.kv_cache_memory is not None:
+            cmd += ["--kv-cache-memory", str(args.kv_cache_memory)]
         cmd += ["--transfer-window", str(args.transfer_window)] if role == "prefill" else []
-        procs.append(subprocess.Popen(cmd))
+        procs.append(subprocess.Popen(cmd, preexec_fn=_die_with_parent))
     try:
         yield procs
     finally:
-        router.shutdown()
-        for p in procs:
-            try:
-                p.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        router.shutdown()  # tells the workers to exit
+        reap(procs)
+
+
+def reap(procs: Sequence[subprocess.Popen[bytes]], terminate: bool = False, grace_s: float = 30.0) -> None:
+    """Wait for processes to exit (after SIGTERM when `terminate`); kill the ones that outlive `grace_s`."""
+    for p in procs:
+        if terminate:
+            p.terminate()
+    for p in procs:
+        try:
+            p.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+def _die_with_parent() -> None:
+    """Linux: the worker gets SIGTERM when this process dies, even by kill -9 (otherwise the workers' own
+    silence timeouts end them)."""
+    if sys.platform == "linux":
+        import ctypes
+
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def serve_http(router: Router, args: argparse.Namespace) -> int:
     import uvicorn
 
     from kvfence.model.loader import load_tokenizer
-    from kvfence.pd.remote import RemoteEngine
+    from kvfence.pd.remote import RemoteEngine, WorkersCollector
     from kvfence.server.app import build_app
     from kvfence.server.async_engine import AsyncEngine
     from kvfence.server.auth import load_api_keys
@@ -121,6 +158,7 @@ def serve_http(router: Router, args: argparse.Namespace) -> int:
         f"kvfence router: context length {remote.context_length} (the smallest any worker holds)", flush=True
     )
     metrics = ServerMetrics()
+    metrics.registry.register(WorkersCollector(router))  # each worker's pool, from its heartbeats
     engine = AsyncEngine(remote, max_queue=args.max_queue, observer=metrics)  # type: ignore[arg-type]
     name = args.served_model_name or Path(args.model).stem
     settings = ServerSettings(

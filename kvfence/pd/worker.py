@@ -33,6 +33,7 @@ log = logging.getLogger("kvfence.pd.worker")
 IDLE_POLL_MS = 50
 HEARTBEAT_S = 0.5  # the router declares a worker dead after several missed heartbeats
 ROUTER_SILENCE_S = 15.0  # a registered worker whose router has said nothing for this long exits
+REGISTRATION_WAIT_S = 600.0  # a worker no router has accepted for this long exits (its router is gone)
 
 
 def fingerprint(engine: LLMEngine) -> dict[str, Any]:
@@ -79,11 +80,10 @@ class Worker:
             busy = self.engine.has_unfinished()
             for sock, _ in self.poller.poll(0 if busy else IDLE_POLL_MS):
                 self._drain(sock)  # before the silence check: pings queued during a long step count
-            if self.registered and time.monotonic() - self.last_router_msg > ROUTER_SILENCE_S:
+            silence = ROUTER_SILENCE_S if self.registered else REGISTRATION_WAIT_S
+            if time.monotonic() - self.last_router_msg > silence:
                 log.error(
-                    "%s worker: the router has been silent for %.0f s; exiting",
-                    self.role.name,
-                    ROUTER_SILENCE_S,
+                    "%s worker: the router has been silent for %.0f s; exiting", self.role.name, silence
                 )
                 break
             self.role.step()
