@@ -29,6 +29,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
     p.add_argument(
+        "--decode-threads", type=int, default=None,
+        help="torch threads for steps without prefill tokens (default: --threads, one less in `serve`)",
+    )  # fmt: skip
+    p.add_argument(
         "--no-integrity-checks",
         action="store_true",
         help="debug/benchmark only: skip I1 checks and tag stamping",
@@ -70,6 +74,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         max_num_batched_tokens=args.max_num_batched_tokens,
         integrity_checks=not args.no_integrity_checks,
         num_threads=args.threads,
+        decode_threads=args.decode_threads,
         enable_prefix_cache=args.enable_prefix_cache,
         kv_canary_interval=args.kv_canary_interval,
         faults=Faults.from_env(),

@@ -244,3 +244,25 @@ def test_a_failing_forward_step_fails_its_requests_and_the_engine_goes_on(tiny_m
     assert {final[i].error_code for i in ids} == {"internal_error"}
     later = engine.add_request([5, 6, 7], greedy(4)).request_id
     assert run_all(engine)[later].finish_reason == "length"
+
+
+def test_decode_threads_apply_to_decode_only_steps(tiny_model):
+    """--decode-threads: steps with prefill tokens run on --threads, decode-only steps on --decode-threads; the
+    output does not change."""
+    import torch
+
+    before = torch.get_num_threads()
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    try:
+        engine = make_engine(tiny_model, num_threads=2, decode_threads=1)
+        engine.add_request([5, 6, 7, 8, 9], params, request_id="a")
+        engine.step()  # the prefill
+        assert torch.get_num_threads() == 2
+        engine.step()  # a decode
+        assert torch.get_num_threads() == 1
+        got = run_all(engine)["a"].token_ids
+        reference = make_engine(tiny_model)
+        reference.add_request([5, 6, 7, 8, 9], params, request_id="a")
+        assert run_all(reference)["a"].token_ids == got
+    finally:
+        torch.set_num_threads(before)

@@ -141,3 +141,25 @@ def test_runner_reads_and_writes_only_block_table_pages(tiny_model):
     outside = [0, 1, 3, 4, 6, 8]  # every page outside the table, and the scratch page
     assert run(outside) == clean
     assert math.isnan(run([], poison_after_prefill=[2]))  # the decode reads page 2: it is in the table
+
+
+@pytest.mark.parametrize("tie,bias", [(True, False), (False, True)])
+def test_packed_bfloat16_linears_equal_plain_ones(tmp_path, monkeypatch, tie, bias):
+    """bfloat16 on CPU runs every projection through oneDNN with the weight packed once at load; the logits must
+    be those of plain F.linear, bit for bit, on every attention path (a tied head gets its own packed copy)."""
+    from kvfence.model.llama import PackedLinear
+
+    if not PackedLinear.supported(torch.bfloat16, "cpu"):
+        pytest.skip("this torch build has no oneDNN")
+    arch = "qwen2" if bias else "llama"
+    loaded = load_model(write_tiny_hf_dir(tmp_path / arch, arch=arch, seed=2, tie=tie, bias=bias))
+    ids = torch.randint(
+        0, loaded.config.vocab_size, (29,), generator=torch.Generator().manual_seed(1)
+    ).tolist()
+    chunks = [11, 7, 1, 1, 8, 1]
+    packed = run_paged(loaded, ids, chunks, dtype=torch.bfloat16)
+    monkeypatch.setattr(PackedLinear, "supported", staticmethod(lambda *_: False))
+    plain = run_paged(loaded, ids, chunks, dtype=torch.bfloat16)
+    assert torch.equal(packed, plain)
+    model = LlamaForCausalLM.from_weights(loaded.config, loaded.weights, torch.bfloat16, "cpu")
+    assert not any(isinstance(m, PackedLinear) for m in model.modules())

@@ -28,6 +28,9 @@ class EngineConfig:
         True  # I1 checks before/after every step and tag stamping; off only to measure cost
     )
     num_threads: int | None = None
+    # torch threads for steps with no prefill token (None: num_threads). Decode steps are many small operators
+    # over weights read from memory: on a machine where the HTTP loop shares the cores, fewer threads can win.
+    decode_threads: int | None = None
     seed: int = 0
     lease_prefix: int | None = None
     faults: Faults | None = None

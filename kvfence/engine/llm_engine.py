@@ -96,6 +96,7 @@ class LLMEngine:
                 config.device,
                 self.faults,
                 config.seed,
+                threads=_step_threads(config),
             )
         self.runner = runner
         self.prefix_cache = (
@@ -481,3 +482,10 @@ class LLMEngine:
                     yield out
                     if out.finished:
                         return
+
+
+def _step_threads(config: EngineConfig) -> tuple[int, int] | None:
+    """Torch threads per kind of step, or None to leave torch's own setting."""
+    if config.decode_threads is None:
+        return None
+    return (config.num_threads or torch.get_num_threads(), config.decode_threads)

@@ -29,7 +29,10 @@ class ModelRunner:
         device: str,
         faults: Faults | None = None,
         seed: int = 0,
+        threads: tuple[int, int] | None = None,
     ) -> None:
+        """`threads`: (for steps with prefill tokens, for decode-only steps), set before each step; None leaves
+        torch's setting alone."""
         self.model = model
         self.config: ModelConfig = model.config
         self.page_size = page_size
@@ -39,6 +42,7 @@ class ModelRunner:
         self._sink_slot = num_pages * page_size
         self.sampler = Sampler(device, seed)
         self.faults = faults or Faults()
+        self.threads = threads
 
     def page_digests(self, pages: Sequence[PageId]) -> list[int]:
         """Content digests of whole pages (xxh3-64 over each page's K/V bytes), for sealing and re-checking
@@ -47,6 +51,10 @@ class ModelRunner:
 
     def run(self, plan: Plan) -> StepResult:
         token_ids, meta, written = self._prepare(plan)
+        if self.threads is not None:
+            want = self.threads[0] if meta.prefills else self.threads[1]
+            if torch.get_num_threads() != want:  # per thread in OpenMP: set here, on the thread that steps
+                torch.set_num_threads(want)
         logits = self.model(token_ids, meta, self.cache)  # [N, V]
         sample_rows = [row for row in plan.rows if row.sample]
         if not sample_rows:
