@@ -291,6 +291,7 @@ def summarize(
         "mean_output_tokens": round(out_tokens / len(ok), 1) if ok else None,
         "server_token_counts": [theirs for _, theirs in counts],
         "ttft_ms": {"p50": p(ttft, 50), "p90": p(ttft, 90), "p99": p(ttft, 99)},
+        "ttft_ms_each": [round(x * 1e3, 1) for x in ttft],  # in completion order
         "itl_ms": {"p50": p(itl, 50), "p99": p(itl, 99)},
         "tpot_ms": {"p50": p(tpot, 50), "mean": round(statistics.fmean(tpot) * ms, 2) if tpot else None},
     }

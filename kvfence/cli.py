@@ -26,7 +26,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     pool.add_argument("--kv-cache-memory", type=float, default=None, help="KV pool size in GiB (default 1)")
     p.add_argument("--context-length", type=int, default=None, help="lower the model's context length")
     p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="tokens per step at most")
+    p.add_argument(
+        "--prefill-batch-tokens", type=int, default=256,
+        help="a step with prefill tokens takes another request's prefill only within this many (0: no limit)",
+    )  # fmt: skip
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
     p.add_argument(
         "--decode-threads", type=int, default=None,
@@ -72,6 +76,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         context_length=args.context_length,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
+        prefill_batch_tokens=args.prefill_batch_tokens,
         integrity_checks=not args.no_integrity_checks,
         num_threads=args.threads,
         decode_threads=args.decode_threads,

@@ -24,6 +24,7 @@ class EngineConfig:
     context_length: int | None = None  # lower the model's own context length
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
+    prefill_batch_tokens: int = 0  # another request's prefill joins a step only within this (0: no limit)
     integrity_checks: bool = (
         True  # I1 checks before/after every step and tag stamping; off only to measure cost
     )

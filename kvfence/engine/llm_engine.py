@@ -104,7 +104,12 @@ class LLMEngine:
             if config.enable_prefix_cache
             else None
         )
-        sched_cfg = SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.context_length)
+        sched_cfg = SchedulerConfig(
+            config.max_num_seqs,
+            config.max_num_batched_tokens,
+            self.context_length,
+            config.prefill_batch_tokens,
+        )
         self.scheduler = Scheduler(
             sched_cfg,
             self.pool,

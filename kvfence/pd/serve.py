@@ -92,6 +92,7 @@ def _workers(router: Router, args: argparse.Namespace) -> Iterator[list[subproce
     common = ["--router", router.addr, "--model", args.model, "--dtype", args.dtype, "--device", args.device,
               "--page-size", str(args.page_size), "--threads", threads,
               "--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens", str(args.max_num_batched_tokens),
+              "--prefill-batch-tokens", str(args.prefill_batch_tokens),
               "--transfer-timeout", str(args.transfer_timeout), "--prefill-timeout", str(args.prefill_timeout),
               "--kv-canary-interval", str(args.kv_canary_interval)]  # fmt: skip
     common += ["--context-length", str(args.context_length)] if args.context_length is not None else []
