@@ -31,7 +31,7 @@ def add_worker_commands(sub: argparse._SubParsersAction) -> None:  # type: ignor
 def run_worker(args: argparse.Namespace) -> int:
     from dataclasses import replace
 
-    from kvfence.engine.llm_engine import LLMEngine
+    from kvfence.engine.llm_engine import LLMEngine, return_freed_memory
     from kvfence.pd.worker import DecodeWorker, PrefillWorker
     from kvfence.server.launch import run_preflight
     from kvfence.server.preflight import Verdict
@@ -48,6 +48,8 @@ def run_worker(args: argparse.Namespace) -> int:
     if traced is not None:
         logging.getLogger("kvfence.pd").warning("tracing page events to %s", traced)
     engine = LLMEngine(config, loaded)
+    del loaded
+    return_freed_memory()
     worker: PrefillWorker | DecodeWorker
     if args.role == "prefill":
         worker = PrefillWorker(

@@ -105,7 +105,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from kvfence.cli import engine_config_from_args
-    from kvfence.engine.llm_engine import LLMEngine
+    from kvfence.engine.llm_engine import LLMEngine, return_freed_memory
     from kvfence.server.app import build_app
     from kvfence.server.async_engine import AsyncEngine
     from kvfence.server.auth import load_api_keys
@@ -135,7 +135,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if keys is None and not _is_loopback(args.host):
         log.warning("serving on %s without --api-keys: every client is the anonymous tenant", args.host)
     metrics = ServerMetrics()
-    engine = AsyncEngine(LLMEngine(config, loaded), max_queue=args.max_queue, observer=metrics)
+    llm = LLMEngine(config, loaded)
+    del loaded
+    return_freed_memory()
+    engine = AsyncEngine(llm, max_queue=args.max_queue, observer=metrics)
     name = args.served_model_name or Path(config.model).stem
     settings = ServerSettings(
         name, api_keys=keys, max_body_bytes=args.max_body_bytes, admin_key=args.admin_key, preflight=report
