@@ -122,13 +122,13 @@ def test_router_metrics_show_every_workers_pool(pd_server):
     """The router holds no pages; its /metrics shows each worker's pool (from heartbeats) and failures."""
     base = str(pd_server.base_url).rstrip("/").removesuffix("/v1")
     deadline = time.monotonic() + 30
-    while True:  # the first heartbeat after start-up carries the pool
+    while True:  # each worker's first heartbeat after start-up carries its pool; wait for both
         text = httpx.get(f"{base}/metrics", headers={"Authorization": "Bearer key-a"}, timeout=10).text
-        if "kvfence_worker_kv_pages_total" in text:
+        totals = [line for line in text.splitlines() if line.startswith("kvfence_worker_kv_pages_total")]
+        if len(totals) == 2:
             break
         assert time.monotonic() < deadline, text[-2000:]
         time.sleep(0.2)  # poll interval
     assert 'kvfence_workers{role="prefill"} 1.0' in text and 'kvfence_workers{role="decode"} 1.0' in text
-    totals = [line for line in text.splitlines() if line.startswith("kvfence_worker_kv_pages_total")]
     assert sorted(float(line.rsplit(" ", 1)[1]) for line in totals) == [32.0, 96.0]
     assert 'state="leased"' in text and "kvfence_worker_integrity_failures_total" in text
