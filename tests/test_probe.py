@@ -455,3 +455,12 @@ def test_stale_kv_shipped_as_a_requests_own_leaks_only_with_the_checks_off(smoll
         assert status == 0 and not report["findings"], report["findings"]
         assert "kv_integrity_error" in " ".join(report["notes"])
         assert report["requests"]["outcomes"]["failed"] >= 30
+
+
+def test_the_two_sided_test_sees_a_difference_either_way_and_none_between_equal_samples():
+    from kvfence.probe.stats import mann_whitney_two_sided
+
+    low, high = [float(v) for v in range(1, 7)], [float(v) for v in range(7, 13)]
+    assert mann_whitney_two_sided(low, high) == pytest.approx(2 / 924)
+    assert mann_whitney_two_sided(high, low) == pytest.approx(2 / 924)
+    assert mann_whitney_two_sided([1, 3, 5, 7, 9, 11], [2, 4, 6, 8, 10, 12]) == pytest.approx(2 * 323 / 924)

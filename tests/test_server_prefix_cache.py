@@ -5,7 +5,6 @@ the guarantee itself is asserted on the hit counters."""
 
 from __future__ import annotations
 
-import math
 import random
 import statistics
 import time
@@ -13,6 +12,7 @@ import time
 import httpx
 
 from kvfence.faults import Faults
+from kvfence.probe.stats import mann_whitney_two_sided
 from tests.server_harness import MODEL, Handle, running_server
 
 KEYS = {"key-alice": "alice", "key-bob": "bob"}
@@ -56,30 +56,6 @@ def test_same_prompt_from_another_key_never_hits(tiny_model):
         srv.assert_pool_clean()
 
 
-def mann_whitney_p(a: list[float], b: list[float]) -> float:
-    """Two-sided p-value of the Mann-Whitney U test (normal approximation, ties averaged, continuity
-    correction); fine for samples of 20 or more."""
-    n1, n2 = len(a), len(b)
-    n = n1 + n2
-    order = sorted(range(n), key=lambda i: (a + b)[i])
-    values = [(a + b)[i] for i in order]
-    ranks = [0.0] * n
-    tie_term = 0.0
-    i = 0
-    while i < n:
-        j = i
-        while j + 1 < n and values[j + 1] == values[i]:
-            j += 1
-        for k in range(i, j + 1):
-            ranks[order[k]] = (i + j) / 2 + 1
-        tie_term += (j - i + 1) ** 3 - (j - i + 1)
-        i = j + 1
-    u = sum(ranks[:n1]) - n1 * (n1 + 1) / 2
-    sigma = math.sqrt(n1 * n2 / 12 * ((n + 1) - tie_term / (n * (n - 1))))
-    z = max(abs(u - n1 * n2 / 2) - 0.5, 0.0) / sigma
-    return math.erfc(z / math.sqrt(2))
-
-
 def ttft_probe(
     srv: Handle, vocab: int, trials: int, length: int, seed: int
 ) -> tuple[list[float], list[float]]:
@@ -114,7 +90,7 @@ def test_ttft_probe_sees_no_other_tenants_prefix(tiny_model):
         assert hit_tokens(srv, "bob") == 0, "bob reused pages computed for alice"
         assert hit_tokens(srv, "alice") == 0
         srv.assert_pool_clean()
-    p = mann_whitney_p(cached_other, never_seen)
+    p = mann_whitney_two_sided(cached_other, never_seen)
     assert p > ALPHA, (
         f"TTFT differs between prompts cached for another tenant and unseen ones (p={p:.2g}); "
         f"medians {statistics.median(cached_other) * 1e3:.1f} vs {statistics.median(never_seen) * 1e3:.1f} ms"
@@ -129,4 +105,4 @@ def test_the_probe_has_power_the_shared_prefix_cache_knob_is_caught(tiny_model):
     with running_server(tiny_model, api_keys=KEYS, faults=faults, **PROBE_ENGINE) as srv:
         cached_other, never_seen = ttft_probe(srv, vocab, trials=20, length=240, seed=8)
         assert hit_tokens(srv, "bob") >= 20 * 224
-    assert mann_whitney_p(cached_other, never_seen) < ALPHA
+    assert mann_whitney_two_sided(cached_other, never_seen) < ALPHA

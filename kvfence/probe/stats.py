@@ -1,4 +1,5 @@
-"""The Mann-Whitney U test, one-sided, for "are the prefix probes' times to first token smaller?".
+"""The Mann-Whitney U test: one-sided, for "are the prefix probes' times to first token smaller?", and two-sided,
+for "do these two kinds of request differ in time at all?" (tests/test_server_prefix_cache.py).
 
 Exact (the distribution of U counted over every ordering of the pooled samples) when there are no ties and the
 samples are small; otherwise the normal approximation with tie and continuity corrections. Standard library only.
@@ -25,6 +26,11 @@ def mann_whitney_less(x: Sequence[float], y: Sequence[float]) -> float:
         total = math.comb(n1 + n2, n1)
         return sum(_count(n1, n2, k) for k in range(int(u) + 1)) / total
     return _normal_less(u, n1, n2, ranks)
+
+
+def mann_whitney_two_sided(x: Sequence[float], y: Sequence[float]) -> float:
+    """Two-sided p-value for H1: the values in `x` and `y` differ in location, either way."""
+    return min(1.0, 2 * min(mann_whitney_less(x, y), mann_whitney_less(y, x)))
 
 
 def _ranks(values: list[float]) -> list[float]:
