@@ -149,8 +149,9 @@ def test_packed_bfloat16_linears_equal_plain_ones(tmp_path, monkeypatch, tie, bi
     be those of plain F.linear, bit for bit, on every attention path (a tied head gets its own packed copy)."""
     from kvfence.model.llama import PackedLinear
 
-    if not PackedLinear.supported(torch.bfloat16, "cpu"):
-        pytest.skip("this torch build has no oneDNN")
+    assert PackedLinear.supported(torch.bfloat16, "cpu"), (
+        "the pinned CPU torch build has oneDNN: packing must run"
+    )
     arch = "qwen2" if bias else "llama"
     loaded = load_model(write_tiny_hf_dir(tmp_path / arch, arch=arch, seed=2, tie=tie, bias=bias))
     ids = torch.randint(

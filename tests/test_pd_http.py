@@ -7,9 +7,14 @@ allocated anywhere, while normal prompts get the same greedy output as colocated
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import random
+import signal
+import sys
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -132,3 +137,38 @@ def test_router_metrics_show_every_workers_pool(pd_server):
     assert 'kvfence_workers{role="prefill"} 1.0' in text and 'kvfence_workers{role="decode"} 1.0' in text
     assert sorted(float(line.rsplit(" ", 1)[1]) for line in totals) == [32.0, 96.0]
     assert 'state="leased"' in text and "kvfence_worker_integrity_failures_total" in text
+
+
+def _processes() -> dict[int, tuple[int, str]]:
+    """pid -> (parent pid, command line), from /proc."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError, IndexError):
+                stat = (entry / "stat").read_text()
+                ppid = int(stat.rsplit(")", 1)[1].split()[1])
+                found[int(entry.name)] = (
+                    ppid,
+                    (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(),
+                )
+    return found
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="the parent-death signal is Linux's (prctl)")
+def test_workers_exit_when_serve_is_killed_with_9(tiny_dir, tmp_path):
+    """`serve --mode pd` killed with -9 runs no cleanup: its workers must still go, at once (PR_SET_PDEATHSIG),
+    not after their 15 s router-silence timeout or never."""
+    keys = tmp_path / "keys.json"
+    keys.write_text(json.dumps(KEYS))
+    with pd_serve(tiny_dir, keys, "--page-size", "4", "--kv-pages", "64") as base:
+        port = base.rsplit(":", 1)[1]
+        procs = _processes()
+        serve = [pid for pid, (_, cmd) in procs.items() if " serve " in cmd and f"--port {port} " in cmd]
+        assert len(serve) == 1, serve
+        workers = [pid for pid, (ppid, _) in procs.items() if ppid == serve[0]]
+        assert len(workers) == 2
+        os.kill(serve[0], signal.SIGKILL)
+        deadline = time.monotonic() + 10  # well under ROUTER_SILENCE_S
+        while any(pid in _processes() and "kvfence" in _processes()[pid][1] for pid in workers):
+            assert time.monotonic() < deadline, "the workers outlived kill -9 of serve"
+            time.sleep(0.1)  # poll interval

@@ -96,12 +96,10 @@ class Scheduler:
             else:
                 scheduled.append(Scheduled(request, num_new))
                 budget -= num_new
-        prefill = sum(
-            s.num_new_tokens for s in scheduled if s.num_new_tokens > 1
-        )  # chunks of running prefills
+        cap = self.config.prefill_batch_tokens
+        prefill = sum(s.num_new_tokens for s in scheduled if s.num_new_tokens > 1)  # running prefills' chunks
         while self.waiting and budget > 0 and not preempted and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
-            cap = self.config.prefill_batch_tokens
             if cap and prefill and prefill + min(request.num_tokens, budget) > cap:
                 break  # this step is full of prefill already; this one goes first in the next step
             started = self._start(request, budget)

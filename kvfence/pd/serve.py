@@ -12,7 +12,7 @@ import logging
 import signal
 import subprocess
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 from kvfence.pd.router import Router
@@ -100,17 +100,18 @@ def _workers(router: Router, args: argparse.Namespace) -> Iterator[list[subproce
     common += ["--allow-undersized-pool"] if args.allow_undersized_pool else []
     common += ["--no-integrity-checks"] if args.no_integrity_checks else []
     common += [] if args.enable_prefix_cache else ["--no-enable-prefix-cache"]
+    die_with_parent = _parent_death_signal()
     procs = []
     for role, pages in (("prefill", args.prefill_kv_pages), ("decode", args.decode_kv_pages)):
         cmd = [sys.executable, "-m", "kvfence", role, *common]
-        if (
-            pages or args.kv_pages
-        ):  # a role's own size wins over --kv-pages, which wins over --kv-cache-memory
-            cmd += ["--kv-pages", str(pages or args.kv_pages)]
+        # a role's own size wins over --kv-pages, which wins over --kv-cache-memory
+        size = pages or args.kv_pages
+        if size:
+            cmd += ["--kv-pages", str(size)]
         elif args.kv_cache_memory is not None:
             cmd += ["--kv-cache-memory", str(args.kv_cache_memory)]
         cmd += ["--transfer-window", str(args.transfer_window)] if role == "prefill" else []
-        procs.append(subprocess.Popen(cmd, preexec_fn=_die_with_parent))
+        procs.append(subprocess.Popen(cmd, preexec_fn=die_with_parent))
     try:
         yield procs
     finally:
@@ -131,14 +132,16 @@ def reap(procs: Sequence[subprocess.Popen[bytes]], terminate: bool = False, grac
             p.wait()
 
 
-def _die_with_parent() -> None:
-    """Linux: the worker gets SIGTERM when this process dies, even by kill -9 (otherwise the workers' own
-    silence timeouts end them)."""
-    if sys.platform == "linux":
-        import ctypes
+def _parent_death_signal() -> Callable[[], None] | None:
+    """Linux: a `preexec_fn` that makes the child get SIGTERM when this process dies, even by kill -9 (elsewhere
+    the workers' own silence timeouts end them). libc is loaded here, before the fork: the child only calls it."""
+    if sys.platform != "linux":
+        return None
+    import ctypes
 
-        PR_SET_PDEATHSIG = 1
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    prctl = ctypes.CDLL("libc.so.6", use_errno=True).prctl
+    PR_SET_PDEATHSIG = 1
+    return lambda: prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def serve_http(router: Router, args: argparse.Namespace) -> int:
