@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: test serve generate lint typecheck bench model clean browser spin
+.PHONY: test serve generate lint typecheck bench model clean browser spin kernels
 
 $(BIN)/python:
 	$(shell command -v $(PY) >/dev/null 2>&1 && echo $(PY) || echo python3) -m venv $(VENV)
@@ -18,6 +18,11 @@ $(STAMP): pyproject.toml | $(BIN)/python
 model: $(STAMP)
 	$(BIN)/kvfence fetch-model
 
+# the C++ decode-attention kernel (kvfence/model/kernels), built once into ~/.cache/kvfence/kernels; g++ when missing
+kernels: $(STAMP)
+	@command -v g++ >/dev/null 2>&1 || (apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y g++)
+	$(BIN)/python -m kvfence.model.kernels
+
 # headless Chromium for the page-map test (tests/test_dashboard.py), installed when missing, as `verify` does spin
 browser:
 	@command -v chromium >/dev/null 2>&1 && command -v chromedriver >/dev/null 2>&1 || (apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y chromium chromium-driver)
@@ -26,12 +31,12 @@ browser:
 spin:
 	@command -v spin >/dev/null 2>&1 && command -v gcc >/dev/null 2>&1 || (apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y spin gcc)
 
-test: model browser spin
+test: model kernels browser spin
 	$(BIN)/ruff check kvfence tests bench
 	$(BIN)/mypy
-	KVFENCE_REQUIRE_BROWSER=1 KVFENCE_RUN_SPIN=1 $(BIN)/pytest -q
+	KVFENCE_REQUIRE_BROWSER=1 KVFENCE_REQUIRE_KERNELS=1 KVFENCE_RUN_SPIN=1 $(BIN)/pytest -q
 
-serve: model
+serve: model kernels
 	$(BIN)/kvfence serve --mode pd
 
 lint: $(STAMP)

@@ -73,6 +73,7 @@ def run_paged(
             decode_mask=(torch.arange(len(block) * page_size) < start + 1)[None, None, None]
             if n == 1
             else None,
+            decode_lens=torch.tensor([start + 1]) if n == 1 else None,
             sample_idx=torch.arange(n),
         )
         out.append(model(torch.tensor(ids[start : start + n]), meta, cache))
@@ -115,17 +116,18 @@ def test_smollm2_bfloat16_tracks_float32(smollm2):
     assert torch.isfinite(bf16).all()
 
 
-def test_runner_reads_and_writes_only_block_table_pages(tiny_model):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])  # bfloat16 decodes through the C++ kernel
+def test_runner_reads_and_writes_only_block_table_pages(tiny_model, dtype):
     """Poison every page outside the block table with NaN: results are unchanged. Poison one page inside it:
     they change. Writes never land outside the block table either."""
     from kvfence.engine.model_runner import ModelRunner
 
-    model = LlamaForCausalLM.from_weights(tiny_model.config, tiny_model.weights, torch.float32, "cpu")
+    model = LlamaForCausalLM.from_weights(tiny_model.config, tiny_model.weights, dtype, "cpu")
     table = (PageId(5), PageId(2), PageId(7))
     greedy = SamplingParams(temperature=0, logprobs=0)
 
     def run(poison: list[int], poison_after_prefill: list[int] = ()) -> float:
-        runner = ModelRunner(model, num_pages=8, page_size=4, dtype=torch.float32, device="cpu")
+        runner = ModelRunner(model, num_pages=8, page_size=4, dtype=dtype, device="cpu")
         runner.cache.kv[:, :, poison] = float("nan")
         rid = RequestId("r")
         prefill = PlanRow(rid, tuple(range(3, 13)), 0, table, (LeaseId(1),) * 3, False, greedy, 0)

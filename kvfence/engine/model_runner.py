@@ -100,6 +100,7 @@ class ModelRunner:
             decode_idx=None,
             decode_pages=None,
             decode_mask=None,
+            decode_lens=None,
             sample_idx=torch.tensor(sample_idx, dtype=torch.long, device=dev),
         )
         if decode_rows:
@@ -120,6 +121,7 @@ class ModelRunner:
                 flat_idx.append(offset - 1)
         meta.decode_idx = torch.tensor(flat_idx, dtype=torch.long, device=dev)
         meta.decode_pages = torch.tensor(table, dtype=torch.long, device=dev)
+        meta.decode_lens = ctx
         # decode_mask: [B, 1, 1, max_pages * S]; positions past each row's context (padding included) are masked
         meta.decode_mask = (torch.arange(max_pages * S, device=dev).unsqueeze(0) < ctx.unsqueeze(1))[
             :, None, None

@@ -19,6 +19,7 @@ P = pages in the pool, S = page size (tokens per page).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import ModuleType
 from typing import NamedTuple
 
 import numpy as np
@@ -27,6 +28,7 @@ import torch.nn.functional as F
 import xxhash
 from torch import Tensor, nn
 
+from kvfence.model import kernels
 from kvfence.model.config import ModelConfig
 
 
@@ -46,6 +48,7 @@ class AttentionMetadata:
     decode_idx: Tensor | None  # [B] int64, flat index of each single-token request
     decode_pages: Tensor | None  # [B, max_pages] int64 block tables, padded with page 0
     decode_mask: Tensor | None  # [B, 1, 1, max_pages * S] bool, True where a position is inside the context
+    decode_lens: Tensor | None  # [B] int64, each decode row's context length (its current token included)
     sample_idx: Tensor  # [N] int64, flat index of the tokens whose logits we need
 
 
@@ -185,6 +188,7 @@ class Attention(nn.Module):
         self.qkv_proj = nn.Linear(d, (cfg.num_heads + 2 * cfg.num_kv_heads) * dh, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(cfg.num_heads * dh, d, bias=False)
         self.scale = dh**-0.5
+        self.kernels: ModuleType | None = None  # C++ decode attention (kvfence/model/kernels), set at load
 
     def forward(self, x: Tensor, meta: AttentionMetadata, cache: PagedKV, step: StepTensors) -> Tensor:
         t, h, hkv, dh = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
@@ -222,10 +226,17 @@ class Attention(nn.Module):
         return o[0].transpose(0, 1)  # [q_len, H, Dh]
 
     def _decode(self, q: Tensor, meta: AttentionMetadata, cache: PagedKV, step: StepTensors) -> Tensor:
-        """One query token per row over its whole block table, all rows at once. Plain matmuls rather than
-        scaled_dot_product_attention: for one query token in bfloat16 the CPU kernel is ten times slower."""
+        """One query token per row over its whole block table, all rows at once. With the C++ kernel, read in
+        place from the pages; otherwise plain matmuls rather than scaled_dot_product_attention (for one query
+        token in bfloat16 the CPU kernel is ten times slower)."""
         assert meta.decode_pages is not None and step.decode_hide is not None
         b, h, hkv, dh = q.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        if self.kernels is not None and q.dtype == torch.bfloat16 and meta.decode_lens is not None:
+            out = torch.empty(b, h, dh, dtype=q.dtype, device=q.device)
+            self.kernels.paged_decode_attention(
+                out, q, cache.kv[self.layer], meta.decode_pages, meta.decode_lens, self.scale
+            )
+            return out
         # one copy into head-major order, so that both matmuls below run on views (no hidden copies)
         kv = cache.gather_kv(self.layer, meta.decode_pages).transpose(2, 3).contiguous()  # [2, B, Hkv, N, Dh]
         qg = q.view(b, hkv, h // hkv, dh)  # [B, Hkv, G, Dh]: the G query heads that share each KV head
@@ -314,6 +325,11 @@ class LlamaForCausalLM(nn.Module):
         model.rotary = Rotary(cfg.head_dim, cfg.context_length, cfg.rope_theta, device)
         if PackedLinear.supported(dtype, device):
             pack_linears(model)
+        if dtype == torch.bfloat16 and torch.device(device).type == "cpu" and kernels.supports(cfg.head_dim):
+            ops = kernels.ops()  # None when switched off or not buildable: the torch path then
+            for attn in model.modules():
+                if isinstance(attn, Attention):
+                    attn.kernels = ops
         return model
 
 

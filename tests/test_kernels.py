@@ -1,0 +1,120 @@
+"""The C++ decode attention (kvfence/model/kernels) against a float32 reference, and what it may read.
+
+The kernels are optional at run time (the model falls back to torch), but `make test` sets
+KVFENCE_REQUIRE_KERNELS=1 so that a build that stopped working fails here instead of silently serving slower.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from kvfence.model import kernels
+
+OPS = kernels.ops()
+if OPS is None:
+    if os.environ.get("KVFENCE_REQUIRE_KERNELS") == "1":
+        raise RuntimeError("KVFENCE_REQUIRE_KERNELS=1 but the C++ kernels could not be built (see the log)")
+    pytest.skip("C++ kernels not available here", allow_module_level=True)
+
+
+def reference(q, kv, tables, lens, scale):
+    """float32 attention of each row's query over the first lens[b] slots of its block table."""
+    page_size, hkv, dh = kv.shape[2:]
+    b, h, _ = q.shape
+    out = torch.empty(b, h, dh)
+    for row in range(b):
+        slots = [int(tables[row, t // page_size]) * page_size + t % page_size for t in range(int(lens[row]))]
+        k = kv[0].reshape(-1, hkv, dh)[slots].float().repeat_interleave(h // hkv, dim=1)  # [ctx, H, Dh]
+        v = kv[1].reshape(-1, hkv, dh)[slots].float().repeat_interleave(h // hkv, dim=1)
+        probs = torch.softmax(torch.einsum("hd,thd->ht", q[row].float(), k) * scale, dim=-1)
+        out[row] = torch.einsum("ht,thd->hd", probs, v)
+    return out
+
+
+def random_case(heads, kv_heads, head_dim, lens, page_size=16, num_pages=40, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    kv = torch.randn(2, num_pages, page_size, kv_heads, head_dim, generator=g).bfloat16()
+    max_pages = max(-(-n // page_size) for n in lens) + 1  # one page of padding past the longest row
+    tables = torch.stack([torch.randperm(num_pages, generator=g)[:max_pages] for _ in lens])
+    # q as the model has it: a strided view of a fused [B, H + Hkv, Dh] tensor
+    q = torch.randn(len(lens), heads + kv_heads, head_dim, generator=g).bfloat16()[:, :heads]
+    return q, kv, tables, torch.tensor(lens)
+
+
+@pytest.mark.parametrize(
+    "heads,kv_heads,head_dim",
+    [(9, 3, 64), (8, 2, 32), (4, 2, 16), (6, 1, 48), (16, 2, 128), (4, 4, 64)],
+)
+def test_decode_attention_matches_float32(heads, kv_heads, head_dim):
+    lens = [1, 15, 16, 17, 64, 230]  # a single token, page edges, several pages
+    q, kv, tables, ctx = random_case(heads, kv_heads, head_dim, lens)
+    out = torch.empty(len(lens), heads, head_dim, dtype=torch.bfloat16)
+    OPS.paged_decode_attention(out, q, kv, tables, ctx, head_dim**-0.5)
+    expected = reference(q, kv, tables, ctx, head_dim**-0.5)
+    # float32 inside, one bfloat16 rounding at the end: within two bfloat16 steps of the exact result
+    torch.testing.assert_close(out.float(), expected, atol=1e-2, rtol=1e-2)
+
+
+def test_reads_only_the_slots_of_its_block_table():
+    """Everything but the slots below each row's context length, in its own pages, is NaN: the result is
+    unchanged. One NaN inside a row's context changes that row, and only that row."""
+    lens = [5, 21, 40]
+    q, kv, tables, ctx = random_case(9, 3, 64, lens, seed=3)
+    clean = torch.empty(3, 9, 64, dtype=torch.bfloat16)
+    OPS.paged_decode_attention(clean, q, kv, tables, ctx, 0.125)
+    poisoned = torch.full_like(kv, float("nan"))
+    page_size = kv.shape[2]
+    for row, n in enumerate(lens):
+        for t in range(n):
+            page, slot = int(tables[row, t // page_size]), t % page_size
+            poisoned[:, page, slot] = kv[:, page, slot]
+    out = torch.empty_like(clean)
+    OPS.paged_decode_attention(out, q, poisoned, tables, ctx, 0.125)
+    assert torch.equal(out, clean)
+    poisoned[1, int(tables[1, 1]), 3] = float("nan")  # row 1's token 19
+    OPS.paged_decode_attention(out, q, poisoned, tables, ctx, 0.125)
+    assert torch.isnan(out[1]).all() and torch.equal(out[0], clean[0]) and torch.equal(out[2], clean[2])
+
+
+def test_refuses_pages_outside_the_pool_and_contexts_beyond_the_table():
+    q, kv, tables, ctx = random_case(9, 3, 64, [20, 20])
+    out = torch.empty(2, 9, 64, dtype=torch.bfloat16)
+    bad = tables.clone()
+    bad[1, 1] = kv.shape[1]  # one past the last page
+    with pytest.raises(RuntimeError, match="outside the pool"):
+        OPS.paged_decode_attention(out, q, kv, bad, ctx, 0.125)
+    bad[1, 1] = -1
+    with pytest.raises(RuntimeError, match="outside the pool"):
+        OPS.paged_decode_attention(out, q, kv, bad, ctx, 0.125)
+    too_long = torch.tensor([20, tables.shape[1] * kv.shape[2] + 1])
+    with pytest.raises(RuntimeError, match="context length"):
+        OPS.paged_decode_attention(out, q, kv, tables, too_long, 0.125)
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        OPS.paged_decode_attention(out.float(), q.float(), kv.float(), tables, ctx, 0.125)
+
+
+def test_bfloat16_models_use_the_kernel_and_agree_with_the_torch_path(tmp_path, monkeypatch):
+    """A bfloat16 model decodes through the kernel; switched off, the torch path gives logits within bfloat16
+    rounding of it."""
+    from kvfence.model.llama import LlamaForCausalLM
+    from kvfence.model.loader import load_model
+    from tests.model_factory import write_tiny_hf_dir
+    from tests.test_forward import run_paged
+
+    loaded = load_model(write_tiny_hf_dir(tmp_path / "m", arch="llama", seed=4, head_dim=32))
+    model = LlamaForCausalLM.from_weights(loaded.config, loaded.weights, torch.bfloat16, "cpu")
+    assert all(layer.self_attn.kernels is OPS for layer in model.model.layers)
+    ids = torch.randint(
+        0, loaded.config.vocab_size, (40,), generator=torch.Generator().manual_seed(2)
+    ).tolist()
+    chunks = [20, 1, 1, 1, 9, 1, 1, 1, 1, 1, 1, 1, 1]
+    with_kernel = run_paged(loaded, ids, chunks, dtype=torch.bfloat16)
+    monkeypatch.setenv("KVFENCE_KERNELS", "0")
+    without = run_paged(loaded, ids, chunks, dtype=torch.bfloat16)
+    assert not torch.equal(with_kernel, without)  # the kernel really ran (it rounds differently)
+    torch.testing.assert_close(with_kernel, without, atol=5e-2, rtol=5e-2)
+    f32 = run_paged(loaded, ids, chunks, dtype=torch.float32)
+    assert (with_kernel.argmax(-1) == f32.argmax(-1)).float().mean() >= 0.9
