@@ -1,4 +1,4 @@
-"""The C++ decode attention (kvfence/model/kernels) against a float32 reference, and what it may read.
+"""The C++ kernels (kvfence/model/kernels) against float32 references, and what decode attention may read.
 
 The kernels are optional at run time (the model falls back to torch), but `make test` sets
 KVFENCE_REQUIRE_KERNELS=1 so that a build that stopped working fails here instead of silently serving slower.
@@ -10,6 +10,7 @@ import os
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from kvfence.model import kernels
 
@@ -96,6 +97,46 @@ def test_refuses_pages_outside_the_pool_and_contexts_beyond_the_table():
         OPS.paged_decode_attention(out.float(), q.float(), kv.float(), tables, ctx, 0.125)
 
 
+@pytest.mark.parametrize("rows", [1, 8, 77])  # a decode step's few rows run inline, a prefill's in parallel
+def test_fused_layer_operators_match_float32(rows):
+    """RMSNorm (alone and after the residual add), rotary in place, and silu(gate) * up: float32 inside, one
+    bfloat16 rounding at the end, so within a bfloat16 step or two of the float32 result."""
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 576, generator=g).bfloat16()
+    delta = torch.randn(rows, 576, generator=g).bfloat16()
+    w = (1 + torch.randn(576, generator=g) / 4).bfloat16()
+
+    def norm32(v):
+        v = v.float()
+        return v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + 1e-5) * w.float()
+
+    tol = dict(atol=2e-2, rtol=1e-2)
+    torch.testing.assert_close(OPS.rms_norm(x, w, 1e-5).float(), norm32(x), **tol)
+    stream = x.clone()
+    normed = OPS.add_rms_norm_(stream, delta, w, 1e-5)
+    assert torch.equal(stream, x + delta)  # the residual stream is rounded exactly as `x + delta` would be
+    torch.testing.assert_close(normed.float(), norm32(stream), **tol)
+
+    from kvfence.model.llama import Rotary
+
+    rotary = Rotary(64, 512, 10000.0)
+    positions = torch.randint(0, 512, (rows,), generator=g)
+    heads = torch.randn(rows, 15, 64, generator=g).bfloat16()  # [q: 9 | k: 3 | v: 3], rotate the first 12
+    expected = Rotary.apply(
+        heads[:, :12].float(), rotary.cos[positions][:, None], rotary.signed_sin[positions][:, None]
+    )
+    untouched = heads[:, 12:].clone()
+    OPS.rotary_(heads, 12, rotary.cos[positions], rotary.signed_sin[positions])
+    torch.testing.assert_close(heads[:, :12].float(), expected, **tol)
+    assert torch.equal(heads[:, 12:], untouched)
+
+    gate_up = torch.randn(rows, 2 * 1536, generator=g).bfloat16() * 4
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    torch.testing.assert_close(OPS.silu_mul(gate_up).float(), F.silu(gate) * up, **tol)
+    gate_up[0, 0] = float("nan")  # NaN stays NaN through the fused exp
+    assert torch.isnan(OPS.silu_mul(gate_up)[0, 0])
+
+
 def test_bfloat16_models_use_the_kernel_and_agree_with_the_torch_path(tmp_path, monkeypatch):
     """A bfloat16 model decodes through the kernel; switched off, the torch path gives logits within bfloat16
     rounding of it."""
@@ -106,7 +147,7 @@ def test_bfloat16_models_use_the_kernel_and_agree_with_the_torch_path(tmp_path, 
 
     loaded = load_model(write_tiny_hf_dir(tmp_path / "m", arch="llama", seed=4, head_dim=32))
     model = LlamaForCausalLM.from_weights(loaded.config, loaded.weights, torch.bfloat16, "cpu")
-    assert all(layer.self_attn.kernels is OPS for layer in model.model.layers)
+    assert model.kernels is OPS and all(layer.self_attn.kernels is OPS for layer in model.model.layers)
     ids = torch.randint(
         0, loaded.config.vocab_size, (40,), generator=torch.Generator().manual_seed(2)
     ).tolist()

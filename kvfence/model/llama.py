@@ -55,8 +55,8 @@ class AttentionMetadata:
 class StepTensors(NamedTuple):
     """Computed once per step from the metadata, shared by every layer."""
 
-    cos: Tensor  # [T, 1, Dh] in the model's dtype
-    signed_sin: Tensor  # [T, 1, Dh]
+    cos: Tensor  # [T, 1, Dh] in the model's dtype; [T, Dh] float32 for the C++ kernels
+    signed_sin: Tensor  # same shape as cos
     decode_hide: Tensor | None  # [B, 1, 1, max_pages * S] bool: ~decode_mask, positions a decode must not see
 
 
@@ -188,16 +188,21 @@ class Attention(nn.Module):
         self.qkv_proj = nn.Linear(d, (cfg.num_heads + 2 * cfg.num_kv_heads) * dh, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(cfg.num_heads * dh, d, bias=False)
         self.scale = dh**-0.5
-        self.kernels: ModuleType | None = None  # C++ decode attention (kvfence/model/kernels), set at load
+        self.kernels: ModuleType | None = None  # C++ kernels (kvfence/model/kernels), set at load
 
     def forward(self, x: Tensor, meta: AttentionMetadata, cache: PagedKV, step: StepTensors) -> Tensor:
         t, h, hkv, dh = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         qkv = self.qkv_proj(x)  # [T, (H + 2 Hkv) * Dh]
-        qk = Rotary.apply(
-            qkv[:, : (h + hkv) * dh].view(t, h + hkv, dh), step.cos, step.signed_sin
-        )  # [T, H + Hkv, Dh]
-        q, k = qk[:, :h], qk[:, h:]
-        v = qkv[:, (h + hkv) * dh :].view(t, hkv, dh)
+        if self.kernels is not None:  # rotary in place on the Q and K heads of the fused projection
+            heads = qkv.view(t, h + 2 * hkv, dh)
+            self.kernels.rotary_(heads, h + hkv, step.cos, step.signed_sin)
+            q, k, v = heads[:, :h], heads[:, h : h + hkv], heads[:, h + hkv :]
+        else:
+            qk = Rotary.apply(
+                qkv[:, : (h + hkv) * dh].view(t, h + hkv, dh), step.cos, step.signed_sin
+            )  # [T, H + Hkv, Dh]
+            q, k = qk[:, :h], qk[:, h:]
+            v = qkv[:, (h + hkv) * dh :].view(t, hkv, dh)
         cache.write(self.layer, meta.slot_mapping, k, v)
         if not meta.prefills and meta.decode_idx is not None and meta.decode_idx.numel() == t:
             out = self._decode(q, meta, cache, step)  # every token is a decode, in row order: no scatter
@@ -253,9 +258,15 @@ class MLP(nn.Module):
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
+        self.kernels: ModuleType | None = None  # C++ kernels (kvfence/model/kernels), set at load
+
     def forward(self, x: Tensor) -> Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [T, I] each
-        y: Tensor = self.down_proj(F.silu(gate) * up)
+        gate_up = self.gate_up_proj(x)  # [T, 2 I]: [gate | up]
+        if self.kernels is not None:
+            y: Tensor = self.down_proj(self.kernels.silu_mul(gate_up))
+            return y
+        gate, up = gate_up.chunk(2, dim=-1)  # [T, I] each
+        y = self.down_proj(F.silu(gate) * up)
         return y
 
 
@@ -270,6 +281,21 @@ class DecoderLayer(nn.Module):
     def forward(self, x: Tensor, meta: AttentionMetadata, cache: PagedKV, step: StepTensors) -> Tensor:
         x = x + self.self_attn(self.input_layernorm(x), meta, cache, step)
         y: Tensor = x + self.mlp(self.post_attention_layernorm(x))
+        return y
+
+    def forward_fused(
+        self, ops: ModuleType, x: Tensor, delta: Tensor | None, meta: AttentionMetadata, cache: PagedKV,
+        step: StepTensors,
+    ) -> Tensor:  # fmt: skip
+        """The same layer with the C++ kernels: the residual stream `x` is updated in place, each add fused with
+        the norm that follows it. `delta` is the previous layer's MLP output, not yet added; returns this one's."""
+        norm_in, norm_post = self.input_layernorm, self.post_attention_layernorm
+        if delta is None:
+            h = ops.rms_norm(x, norm_in.weight, norm_in.eps)
+        else:
+            h = ops.add_rms_norm_(x, delta, norm_in.weight, norm_in.eps)
+        h = ops.add_rms_norm_(x, self.self_attn(h, meta, cache, step), norm_post.weight, norm_post.eps)
+        y: Tensor = self.mlp(h)
         return y
 
 
@@ -290,6 +316,7 @@ class LlamaForCausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rotary: Rotary | None = None  # built on the target device by from_weights
+        self.kernels: ModuleType | None = None  # C++ kernels (kvfence/model/kernels), set at load
 
     @torch.inference_mode()
     def forward(self, token_ids: Tensor, meta: AttentionMetadata, cache: PagedKV) -> Tensor:
@@ -297,6 +324,16 @@ class LlamaForCausalLM(nn.Module):
         assert self.rotary is not None
         x = self.model.embed_tokens(token_ids)  # [T, D]
         hide = None if meta.decode_mask is None else ~meta.decode_mask
+        if self.kernels is not None:
+            step = StepTensors(self.rotary.cos[meta.positions], self.rotary.signed_sin[meta.positions], hide)
+            delta = None
+            for layer in self.model.layers:
+                delta = layer.forward_fused(self.kernels, x, delta, meta, cache, step)
+            assert delta is not None
+            x = self.kernels.add_rms_norm_(x, delta, self.model.norm.weight, self.model.norm.eps)
+            if meta.sample_idx.numel() != x.shape[0]:
+                x = x[meta.sample_idx]
+            return self.lm_head(x).float()  # type: ignore[no-any-return]
         step = StepTensors(*self.rotary.tables(meta.positions, x.dtype), hide)
         for layer in self.model.layers:
             x = layer(x, meta, cache, step)
@@ -327,9 +364,9 @@ class LlamaForCausalLM(nn.Module):
             pack_linears(model)
         if dtype == torch.bfloat16 and torch.device(device).type == "cpu" and kernels.supports(cfg.head_dim):
             ops = kernels.ops()  # None when switched off or not buildable: the torch path then
-            for attn in model.modules():
-                if isinstance(attn, Attention):
-                    attn.kernels = ops
+            for module in model.modules():
+                if isinstance(module, (LlamaForCausalLM, Attention, MLP)):
+                    module.kernels = ops
         return model
 
 

@@ -1,4 +1,5 @@
-// kvfence CPU kernels (bfloat16): decode attention straight from the KV pages.
+// kvfence CPU kernels (bfloat16): decode attention straight from the KV pages, and the small operators of a
+// layer fused (RMSNorm with the residual add, rotary embedding in place, silu(gate) * up).
 //
 // paged_decode_attention: one query token per row, attending over the first context_lens[b] tokens of the
 // pages listed in block_tables[b]. It reads K/V in place (no gather, no head-major copy) and keeps scores,
@@ -41,6 +42,69 @@ inline uint16_t f32_to_bf16(float value) {  // round to nearest even, as torch d
   if (std::isnan(value)) return 0x7fc0;
   bits += 0x7fff + ((bits >> 16) & 1);
   return static_cast<uint16_t>(bits >> 16);
+}
+
+#ifdef __AVX512F__
+// e^x for 16 floats: Cephes' expf polynomial after n = round(x / ln 2), scaled by 2^n (relative error ~1e-7)
+inline __m512 exp512(__m512 x) {
+  // clamp; operands ordered so that a NaN x stays NaN (min/max return their second operand on NaN)
+  x = _mm512_max_ps(_mm512_set1_ps(-88.3762626647949f), _mm512_min_ps(_mm512_set1_ps(88.3762626647949f), x));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  return _mm512_scalef_ps(p, n);
+}
+#endif
+
+// v[i] = e^(v[i] - shift); returns the sum of the results
+inline float exp_shifted(float* v, int64_t n, float shift) {
+  int64_t i = 0;
+  float sum = 0.0f;
+#ifdef __AVX512F__
+  __m512 acc = _mm512_setzero_ps();
+  const __m512 s = _mm512_set1_ps(shift);
+  for (; i + 16 <= n; i += 16) {
+    const __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(v + i), s));
+    _mm512_storeu_ps(v + i, e);
+    acc = _mm512_add_ps(acc, e);
+  }
+  sum = _mm512_reduce_add_ps(acc);
+#endif
+  for (; i < n; ++i) {
+    v[i] = std::exp(v[i] - shift);
+    sum += v[i];
+  }
+  return sum;
+}
+
+inline float sum_squares(const float* v, int64_t n) {
+  int64_t i = 0;
+  float sum = 0.0f;
+#ifdef __AVX512F__
+  __m512 acc = _mm512_setzero_ps();
+  for (; i + 16 <= n; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(v + i), _mm512_loadu_ps(v + i), acc);
+  sum = _mm512_reduce_add_ps(acc);
+#endif
+  for (; i < n; ++i) sum += v[i] * v[i];
+  return sum;
+}
+
+// dst = bfloat16(src), rounded to nearest even
+inline void f32_to_bf16_n(const float* src, uint16_t* dst, int64_t n) {
+  int64_t i = 0;
+#if defined(__AVX512BF16__)
+  for (; i + 16 <= n; i += 16)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(src + i)));
+#endif
+  for (; i < n; ++i) dst[i] = f32_to_bf16(src[i]);
 }
 
 constexpr int64_t LANES = 16;  // partial sums kept apart so the compiler vectorizes the dot product
@@ -178,13 +242,7 @@ void paged_decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor kv
         float* row = &scores[h * ctx];
         float top = -std::numeric_limits<float>::infinity();
         for (int64_t t = 0; t < ctx; ++t) top = row[t] > top ? row[t] : top;
-        float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t t = 0; t < ctx; ++t) {
-          row[t] = expf(row[t] - top);  // vectorized through libmvec (built with -fno-math-errno)
-          sum += row[t];
-        }
-        inv_sum[h] = 1.0f / sum;
+        inv_sum[h] = 1.0f / exp_shifted(row, ctx, top);
       }
       std::fill(acc.begin(), acc.end(), 0.0f);
 #ifdef __AVX512F__
@@ -199,13 +257,137 @@ void paged_decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor kv
         for (int64_t h = 0; h < H; ++h) axpy(&acc[h * Dh], scores[h * ctx + t], &vec[(h / G) * Dh], Dh);
       }
       for (int64_t h = 0; h < H; ++h) {
-        uint16_t* dst = out_base + (b * H + h) * Dh;
-        for (int64_t d = 0; d < Dh; ++d) dst[d] = f32_to_bf16(acc[h * Dh + d] * inv_sum[h]);
+        for (int64_t d = 0; d < Dh; ++d) acc[h * Dh + d] *= inv_sum[h];
+        f32_to_bf16_n(&acc[h * Dh], out_base + (b * H + h) * Dh, Dh);
       }
     }
   });
 }
 
+// ---- the small operators of a layer, fused (bfloat16 in and out, float32 inside, one rounding) ----
+
+namespace {
+
+constexpr int64_t ROW_GRAIN = 32;  // rows per task: a decode step's few rows run inline, a prefill's in parallel
+
+void check_rows(const torch::Tensor& t, const char* name) {
+  TORCH_CHECK(t.scalar_type() == at::kBFloat16 && t.dim() == 2 && t.stride(1) == 1, name,
+              ": bfloat16 [T, D] with contiguous rows");
+}
+
+inline void normalize_row(const uint16_t* x, const uint16_t* w, uint16_t* out, int64_t n, float eps, float* buf) {
+  bf16_to_f32(x, buf, n);
+  const float inv = 1.0f / std::sqrt(sum_squares(buf, n) / static_cast<float>(n) + eps);
+  float* wf = buf + n;  // the caller's buffer holds 2n floats
+  bf16_to_f32(w, wf, n);
+  for (int64_t i = 0; i < n; ++i) buf[i] = buf[i] * inv * wf[i];
+  f32_to_bf16_n(buf, out, n);
+}
+
+}  // namespace
+
+// RMSNorm of every row: out = x / sqrt(mean(x^2) + eps) * weight
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
+  check_rows(x, "x");
+  TORCH_CHECK(weight.scalar_type() == at::kBFloat16 && weight.is_contiguous() && weight.numel() == x.size(1), "weight");
+  auto out = torch::empty({x.size(0), x.size(1)}, x.options());
+  const int64_t n = x.size(1), stride = x.stride(0);
+  const auto* xs = reinterpret_cast<const uint16_t*>(x.data_ptr());
+  const auto* w = reinterpret_cast<const uint16_t*>(weight.data_ptr());
+  auto* o = reinterpret_cast<uint16_t*>(out.data_ptr());
+  at::parallel_for(0, x.size(0), ROW_GRAIN, [&](int64_t begin, int64_t end) {
+    std::vector<float> buf(2 * n);
+    for (int64_t r = begin; r < end; ++r) normalize_row(xs + r * stride, w, o + r * n, n, static_cast<float>(eps), buf.data());
+  });
+  return out;
+}
+
+// x += delta (rounded to bfloat16, as `x + delta` would be), then RMSNorm of the new x: the residual stream's add
+// and the next norm in one pass. x is updated in place; the normalized rows are returned.
+torch::Tensor add_rms_norm_(torch::Tensor x, torch::Tensor delta, torch::Tensor weight, double eps) {
+  check_rows(x, "x");
+  check_rows(delta, "delta");
+  TORCH_CHECK(x.is_contiguous() && delta.sizes() == x.sizes(), "x contiguous, delta of the same shape");
+  TORCH_CHECK(weight.scalar_type() == at::kBFloat16 && weight.is_contiguous() && weight.numel() == x.size(1), "weight");
+  auto out = torch::empty_like(x);
+  const int64_t n = x.size(1), dstride = delta.stride(0);
+  auto* xs = reinterpret_cast<uint16_t*>(x.data_ptr());
+  const auto* ds = reinterpret_cast<const uint16_t*>(delta.data_ptr());
+  const auto* w = reinterpret_cast<const uint16_t*>(weight.data_ptr());
+  auto* o = reinterpret_cast<uint16_t*>(out.data_ptr());
+  at::parallel_for(0, x.size(0), ROW_GRAIN, [&](int64_t begin, int64_t end) {
+    std::vector<float> a(2 * n), b(n);
+    for (int64_t r = begin; r < end; ++r) {
+      uint16_t* xr = xs + r * n;
+      bf16_to_f32(xr, a.data(), n);
+      bf16_to_f32(ds + r * dstride, b.data(), n);
+      for (int64_t i = 0; i < n; ++i) a[i] += b[i];
+      f32_to_bf16_n(a.data(), xr, n);
+      normalize_row(xr, w, o + r * n, n, static_cast<float>(eps), a.data());
+    }
+  });
+  return out;
+}
+
+// Rotary embedding in place on the first `heads` heads of x [T, >= heads, Dh] (rotate_half layout):
+// x = x * cos + cat(x2, x1) * signed_sin, with cos and signed_sin [T, Dh] float32 rows of the step's positions.
+void rotary_(torch::Tensor x, int64_t heads, torch::Tensor cos, torch::Tensor signed_sin) {
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 3 && x.stride(2) == 1 && heads <= x.size(1), "x");
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && signed_sin.scalar_type() == at::kFloat && cos.is_contiguous() &&
+                  signed_sin.is_contiguous() && cos.size(0) == x.size(0) && cos.size(1) == x.size(2) &&
+                  signed_sin.sizes() == cos.sizes(), "tables: float32 [T, Dh]");
+  const int64_t dh = x.size(2), half = dh / 2, row = x.stride(0), head = x.stride(1);
+  auto* xs = reinterpret_cast<uint16_t*>(x.data_ptr());
+  const float* c = cos.data_ptr<float>();
+  const float* s = signed_sin.data_ptr<float>();
+  at::parallel_for(0, x.size(0), ROW_GRAIN, [&](int64_t begin, int64_t end) {
+    std::vector<float> v(dh), r(dh);
+    for (int64_t t = begin; t < end; ++t) {
+      const float* ct = c + t * dh;
+      const float* st = s + t * dh;
+      for (int64_t h = 0; h < heads; ++h) {
+        uint16_t* p = xs + t * row + h * head;
+        bf16_to_f32(p, v.data(), dh);
+        for (int64_t i = 0; i < half; ++i) r[i] = v[i] * ct[i] + v[i + half] * st[i];
+        for (int64_t i = half; i < dh; ++i) r[i] = v[i] * ct[i] + v[i - half] * st[i];
+        f32_to_bf16_n(r.data(), p, dh);
+      }
+    }
+  });
+}
+
+// silu(gate) * up for gate_up [T, 2I] laid out [gate | up]; returns [T, I]
+torch::Tensor silu_mul(torch::Tensor gate_up) {
+  check_rows(gate_up, "gate_up");
+  const int64_t inter = gate_up.size(1) / 2, stride = gate_up.stride(0);
+  auto out = torch::empty({gate_up.size(0), inter}, gate_up.options());
+  const auto* g = reinterpret_cast<const uint16_t*>(gate_up.data_ptr());
+  auto* o = reinterpret_cast<uint16_t*>(out.data_ptr());
+  at::parallel_for(0, gate_up.size(0), ROW_GRAIN, [&](int64_t begin, int64_t end) {
+    std::vector<float> a(inter), b(inter);
+    for (int64_t r = begin; r < end; ++r) {
+      bf16_to_f32(g + r * stride, a.data(), inter);
+      bf16_to_f32(g + r * stride + inter, b.data(), inter);
+      int64_t i = 0;
+#ifdef __AVX512F__
+      const __m512 one = _mm512_set1_ps(1.0f);
+      for (; i + 16 <= inter; i += 16) {
+        const __m512 g = _mm512_loadu_ps(&a[i]);
+        const __m512 e = exp512(_mm512_sub_ps(_mm512_setzero_ps(), g));
+        _mm512_storeu_ps(&a[i], _mm512_mul_ps(_mm512_div_ps(g, _mm512_add_ps(one, e)), _mm512_loadu_ps(&b[i])));
+      }
+#endif
+      for (; i < inter; ++i) a[i] = a[i] / (1.0f + std::exp(-a[i])) * b[i];
+      f32_to_bf16_n(a.data(), o + r * inter, inter);
+    }
+  });
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "decode attention over KV pages (bfloat16, CPU)");
+  m.def("rms_norm", &rms_norm, "RMSNorm of each row");
+  m.def("add_rms_norm_", &add_rms_norm_, "x += delta in place, then RMSNorm of x");
+  m.def("rotary_", &rotary_, "rotary embedding in place on the first heads");
+  m.def("silu_mul", &silu_mul, "silu(gate) * up");
 }
