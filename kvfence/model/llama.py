@@ -328,6 +328,7 @@ class LlamaForCausalLM(nn.Module):
             step = StepTensors(self.rotary.cos[meta.positions], self.rotary.signed_sin[meta.positions], hide)
             delta = None
             for layer in self.model.layers:
+                assert isinstance(layer, DecoderLayer)
                 delta = layer.forward_fused(self.kernels, x, delta, meta, cache, step)
             assert delta is not None
             x = self.kernels.add_rms_norm_(x, delta, self.model.norm.weight, self.model.norm.eps)
