@@ -75,6 +75,17 @@ def test_double_lease_fault_is_caught_as_owner_mismatch():
     pool.check_integrity()
 
 
+def test_owner_check_alone_catches_a_stolen_page_nobody_wrote_yet():
+    """Neither side has written the doubly leased page, so both tags are as expected (none): only the owner
+    half of I1 can see that the victim's block table lists a page the allocator gave to someone else."""
+    pool = PagePool(8, 4, lease_prefix=1, faults=Faults(double_lease=1))
+    victim = pool.allocate(2)
+    thief = pool.allocate(1)
+    assert thief[0].page == victim[1].page
+    violations = check_reads(pool, [read_set("v", victim, 0), read_set("t", thief, 0)])
+    assert [(v.request_id, v.kind, v.page_index) for v in violations] == [("v", "owner", 1)]
+
+
 def test_release_is_quarantined_while_held():
     pool = PagePool(4, 4, lease_prefix=1)
     a = pool.allocate(2)

@@ -92,13 +92,20 @@ def cmd_preflight(args: argparse.Namespace) -> int:
     return 0 if report.can_start else 1
 
 
-def serving_decode_threads(threads: int | None) -> int:
-    """Colocated serving: decode-only steps leave one core to the HTTP event loop in the same process. With
-    every core in the step, the OpenMP workers of each of its ~2,000 small operators wait on whichever one the
-    event loop preempted (measured on 2 cores: W1 154 against 134 tok/s, docs/performance.md)."""
+def serving_decode_threads(threads: int | None, dtype: str, device: str) -> int:
+    """Colocated serving: how many threads decode-only steps get. With the C++ kernels (bfloat16 on CPU) a
+    layer is a few large operators and decode gains from every core (W1 over HTTP: 2 threads faster than 1,
+    docs/performance.md). On the torch path, decode-only steps leave one core to the HTTP event loop in the
+    same process: with every core in the step, the OpenMP workers of each of its ~2,000 small operators wait on
+    whichever one the event loop preempted (measured on 2 cores: W1 154 against 134 tok/s)."""
     import torch
 
-    return max(1, (threads or torch.get_num_threads()) - 1)
+    from kvfence.model import kernels
+
+    n = threads or torch.get_num_threads()
+    if dtype == "bfloat16" and device == "cpu" and kernels.ops() is not None:
+        return n
+    return max(1, n - 1)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -130,8 +137,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return 1
     if report.verdict is Verdict.CLAMPED:
         config = replace(config, context_length=report.context_length)
-    if config.decode_threads is None:  # the HTTP loop shares this process: leave it a core on decode steps
-        config = replace(config, decode_threads=serving_decode_threads(config.num_threads))
+    if config.decode_threads is None:  # the HTTP loop shares this process
+        config = replace(
+            config, decode_threads=serving_decode_threads(config.num_threads, config.dtype, config.device)
+        )
     if keys is None and not _is_loopback(args.host):
         log.warning("serving on %s without --api-keys: every client is the anonymous tenant", args.host)
     metrics = ServerMetrics()

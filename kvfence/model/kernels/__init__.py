@@ -2,17 +2,20 @@
 
 `ops()` returns the compiled module, or None when kernels are switched off (`KVFENCE_KERNELS=0`) or cannot be
 built here (no compiler); the model then runs its plain torch code, which computes the same thing. The build
-goes to `$KVFENCE_CACHE/kernels/<hash>` (default `~/.cache/kvfence/kernels/<hash>`), keyed by the source and
-the torch version, so a changed kernel is rebuilt and an unchanged one loads in well under a second.
+goes to `$KVFENCE_CACHE/kernels/<hash>` (default `~/.cache/kvfence/kernels/<hash>`), keyed by the source, the
+flags, the torch version and the CPU's instruction sets (it is built with -march=native), so a changed kernel
+or another CPU gets its own build, and an unchanged one loads in about a millisecond.
 `python -m kvfence.model.kernels` builds them ahead of time (`make` does, so the first request does not wait).
 
 What they are for (docs/performance.md): decode attention read straight from the pages, instead of a gather,
-a copy into head-major order and about eight small torch operators per layer.
+a copy into head-major order and about eight small torch operators per layer; and RMSNorm with the residual
+add, rotary and silu(gate) * up, each one pass instead of three to eight operators.
 """
 
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import logging
 import os
 import threading
@@ -23,6 +26,7 @@ import torch
 
 log = logging.getLogger("kvfence.kernels")
 SOURCE = Path(__file__).with_name("cpu_ops.cpp")
+NAME = "kvfence_cpu_ops"
 _lock = threading.Lock()
 _loaded: ModuleType | None = None
 _tried = False
@@ -38,9 +42,17 @@ def supports(head_dim: int) -> bool:
     return head_dim % 16 == 0
 
 
+def _cpu_flags() -> bytes:
+    try:
+        with open("/proc/cpuinfo", "rb") as f:
+            return next((line for line in f if line.startswith(b"flags")), b"")
+    except OSError:
+        return b""
+
+
 def build_dir() -> Path:
     key = hashlib.sha256(
-        SOURCE.read_bytes() + " ".join(CFLAGS).encode() + torch.__version__.encode()
+        SOURCE.read_bytes() + " ".join(CFLAGS).encode() + torch.__version__.encode() + _cpu_flags()
     ).hexdigest()[:16]
     root = Path(os.environ.get("KVFENCE_CACHE", Path.home() / ".cache" / "kvfence"))
     return root / "kernels" / key
@@ -62,16 +74,33 @@ def ops() -> ModuleType | None:
 
 
 def _build() -> ModuleType:
+    """Load the built library directly when it exists (no compiler, no build lock: a worker killed while it
+    held torch's build lock would otherwise leave every later process waiting on it); build it otherwise."""
+    path = build_dir()
+    library = path / f"{NAME}.so"
+    if library.exists():
+        try:
+            return _import(library)
+        except ImportError as exc:  # a partial file from an interrupted build: build again
+            log.warning("rebuilding the C++ kernels: %s", exc)
     from torch.utils import cpp_extension
 
-    path = build_dir()
     path.mkdir(parents=True, exist_ok=True)
     module: ModuleType = cpp_extension.load(
-        name="kvfence_cpu_ops",
+        name=NAME,
         sources=[str(SOURCE)],
         extra_cflags=CFLAGS,
         extra_ldflags=["-fopenmp"],
         build_directory=str(path),
         verbose=False,
     )
+    return module
+
+
+def _import(library: Path) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(NAME, library)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot load {library}")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
     return module
