@@ -190,6 +190,8 @@ void paged_decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor kv
                             torch::Tensor context_lens, double scale) {
   // out, q: [B, H, Dh]; kv: one layer's pool [2, P, S, Hkv, Dh]; block_tables: [B, max_pages] int64;
   // context_lens: [B] int64 (tokens to attend over, the current one included, already written)
+  TORCH_CHECK(q.device().is_cpu() && kv.device().is_cpu() && out.device().is_cpu() && block_tables.device().is_cpu() &&
+                  context_lens.device().is_cpu(), "CPU tensors only");
   TORCH_CHECK(q.scalar_type() == at::kBFloat16 && kv.scalar_type() == at::kBFloat16 &&
                   out.scalar_type() == at::kBFloat16, "bfloat16 only");
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && context_lens.scalar_type() == at::kLong, "int64 tables");
@@ -271,6 +273,7 @@ namespace {
 constexpr int64_t ROW_GRAIN = 32;  // rows per task: a decode step's few rows run inline, a prefill's in parallel
 
 void check_rows(const torch::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu(), name, ": CPU tensors only");
   TORCH_CHECK(t.scalar_type() == at::kBFloat16 && t.dim() == 2 && t.stride(1) == 1, name,
               ": bfloat16 [T, D] with contiguous rows");
 }
@@ -289,7 +292,8 @@ inline void normalize_row(const uint16_t* x, const uint16_t* w, uint16_t* out, i
 // RMSNorm of every row: out = x / sqrt(mean(x^2) + eps) * weight
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
   check_rows(x, "x");
-  TORCH_CHECK(weight.scalar_type() == at::kBFloat16 && weight.is_contiguous() && weight.numel() == x.size(1), "weight");
+  TORCH_CHECK(weight.device().is_cpu() && weight.scalar_type() == at::kBFloat16 && weight.is_contiguous() &&
+                  weight.numel() == x.size(1), "weight");
   auto out = torch::empty({x.size(0), x.size(1)}, x.options());
   const int64_t n = x.size(1), stride = x.stride(0);
   const auto* xs = reinterpret_cast<const uint16_t*>(x.data_ptr());
@@ -308,7 +312,8 @@ torch::Tensor add_rms_norm_(torch::Tensor x, torch::Tensor delta, torch::Tensor 
   check_rows(x, "x");
   check_rows(delta, "delta");
   TORCH_CHECK(x.is_contiguous() && delta.sizes() == x.sizes(), "x contiguous, delta of the same shape");
-  TORCH_CHECK(weight.scalar_type() == at::kBFloat16 && weight.is_contiguous() && weight.numel() == x.size(1), "weight");
+  TORCH_CHECK(weight.device().is_cpu() && weight.scalar_type() == at::kBFloat16 && weight.is_contiguous() &&
+                  weight.numel() == x.size(1), "weight");
   auto out = torch::empty_like(x);
   const int64_t n = x.size(1), dstride = delta.stride(0);
   auto* xs = reinterpret_cast<uint16_t*>(x.data_ptr());
@@ -332,7 +337,9 @@ torch::Tensor add_rms_norm_(torch::Tensor x, torch::Tensor delta, torch::Tensor 
 // Rotary embedding in place on the first `heads` heads of x [T, >= heads, Dh] (rotate_half layout):
 // x = x * cos + cat(x2, x1) * signed_sin, with cos and signed_sin [T, Dh] float32 rows of the step's positions.
 void rotary_(torch::Tensor x, int64_t heads, torch::Tensor cos, torch::Tensor signed_sin) {
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 3 && x.stride(2) == 1 && heads <= x.size(1), "x");
+  TORCH_CHECK(x.device().is_cpu() && cos.device().is_cpu() && signed_sin.device().is_cpu(), "CPU tensors only");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 3 && x.stride(2) == 1 && heads >= 0 &&
+                  heads <= x.size(1), "x");
   TORCH_CHECK(cos.scalar_type() == at::kFloat && signed_sin.scalar_type() == at::kFloat && cos.is_contiguous() &&
                   signed_sin.is_contiguous() && cos.size(0) == x.size(0) && cos.size(1) == x.size(2) &&
                   signed_sin.sizes() == cos.sizes(), "tables: float32 [T, Dh]");
