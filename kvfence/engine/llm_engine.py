@@ -504,6 +504,12 @@ def return_freed_memory() -> None:
     import gc
 
     gc.collect()
+    trim_heap()
+
+
+def trim_heap() -> None:
+    """glibc's malloc_trim: return free heap pages to the OS (a step's activations leave about 100 MB of them
+    behind after a burst, docs/performance.md). No-op elsewhere."""
     if sys.platform == "linux":
         import ctypes
 

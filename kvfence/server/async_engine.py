@@ -30,7 +30,7 @@ from typing import Any, Protocol, TypeVar
 
 from kvfence.engine.admission import admit
 from kvfence.engine.errors import TooManyChoices
-from kvfence.engine.llm_engine import LLMEngine
+from kvfence.engine.llm_engine import LLMEngine, trim_heap
 from kvfence.engine.output import RequestOutput
 from kvfence.engine.request import Request, SamplingParams
 from kvfence.ids import RequestId
@@ -39,6 +39,7 @@ from kvfence.kv.prefix_cache import PrefixCacheStats
 
 log = logging.getLogger("kvfence.server")
 T = TypeVar("T")
+IDLE_TRIM_S = 2.0  # after this long without work, the engine thread hands the heap's freed pages back to the OS
 Item = tuple[int, RequestOutput]
 
 
@@ -142,6 +143,7 @@ class AsyncEngine:
         self._tracked: dict[str, _Tracked] = {}
         self._num_new = 0  # requests submitted since the engine loop last took its inbox
         self._num_waiting = 0  # the scheduler's waiting queue after the last step
+        self._stepped_since_trim = False  # a step ran since the heap was last trimmed (engine thread only)
         self._busy = False
         self._stopping = False
         self._failure: BaseException | None = None
@@ -281,6 +283,9 @@ class AsyncEngine:
 
     def _round(self) -> bool:
         with self._cond:
+            if self._stepped_since_trim and not self._cond.wait_for(self._has_work, IDLE_TRIM_S):
+                self._stepped_since_trim = False  # idle for a while after work: hand freed heap back
+                trim_heap()
             self._cond.wait_for(self._has_work)
             if self._stopping:
                 return False
@@ -293,6 +298,7 @@ class AsyncEngine:
                 except BaseException as exc:
                     fut.set_exception(exc)
         if self.engine.has_unfinished():
+            self._stepped_since_trim = True
             outputs = self.engine.step()
             self._num_waiting = len(self.engine.scheduler.waiting)
             self._dispatch(outputs, time.perf_counter())
