@@ -39,7 +39,9 @@ from kvfence.kv.prefix_cache import PrefixCacheStats
 
 log = logging.getLogger("kvfence.server")
 T = TypeVar("T")
-IDLE_TRIM_S = 2.0  # after this long without work, the engine thread hands the heap's freed pages back to the OS
+IDLE_TRIM_S = (
+    2.0  # after this long without work, the engine thread hands the heap's freed pages back to the OS
+)
 Item = tuple[int, RequestOutput]
 
 
