@@ -70,7 +70,7 @@ def check_reads(pool: PagePool, read_sets: Sequence[ReadSet]) -> list[Violation]
     written_l: list[bool] = []
     for rs in read_sets:
         n = len(rs.pages)
-        written = min(pool.pages_for(rs.num_written_tokens), n)  # the first `written` pages carry its tag
+        written = max(0, min(pool.pages_for(rs.num_written_tokens), n))  # the first `written` carry its tag
         pages_l += rs.pages
         leases_l += rs.leases
         written_l += [True] * written + [False] * (n - written)

@@ -146,6 +146,7 @@ class AsyncEngine:
         self._num_new = 0  # requests submitted since the engine loop last took its inbox
         self._num_waiting = 0  # the scheduler's waiting queue after the last step
         self._stepped_since_trim = False  # a step ran since the heap was last trimmed (engine thread only)
+        self._last_step = 0.0  # time.monotonic() of the last step
         self._busy = False
         self._stopping = False
         self._failure: BaseException | None = None
@@ -284,10 +285,9 @@ class AsyncEngine:
             self._fail_all(EngineUnavailable(f"the engine loop crashed: {exc!r}"), exc)
 
     def _round(self) -> bool:
+        if self._idle_since_last_step():  # idle for a while after work: hand freed heap pages back to the OS
+            trim_heap()  # outside the lock, so that submit() and abort() never wait for it
         with self._cond:
-            if self._stepped_since_trim and not self._cond.wait_for(self._has_work, IDLE_TRIM_S):
-                self._stepped_since_trim = False  # idle for a while after work: hand freed heap back
-                trim_heap()
             self._cond.wait_for(self._has_work)
             if self._stopping:
                 return False
@@ -300,7 +300,7 @@ class AsyncEngine:
                 except BaseException as exc:
                     fut.set_exception(exc)
         if self.engine.has_unfinished():
-            self._stepped_since_trim = True
+            self._stepped_since_trim, self._last_step = True, time.monotonic()
             outputs = self.engine.step()
             self._num_waiting = len(self.engine.scheduler.waiting)
             self._dispatch(outputs, time.perf_counter())
@@ -308,6 +308,25 @@ class AsyncEngine:
             self._busy = False
             self._cond.notify_all()  # wake `wait_idle` callers
         return True
+
+    def _idle_since_last_step(self) -> bool:
+        """Wait while there is no work, up to IDLE_TRIM_S after the last step; True (once per idle period) if
+        that much time passed without a step. Calls between steps (`/metrics`, the page map) do not count as
+        work here: they end the wait but not the idle period."""
+        with self._cond:
+            if not self._stepped_since_trim:
+                return False
+            while not self._has_work():
+                remaining = IDLE_TRIM_S - (time.monotonic() - self._last_step)
+                if remaining <= 0:
+                    break
+                self._cond.wait(remaining)
+            if self._stopping or self.engine.has_unfinished():
+                return False
+            if time.monotonic() - self._last_step < IDLE_TRIM_S:
+                return False
+            self._stepped_since_trim = False
+            return True
 
     def _has_work(self) -> bool:
         return self._stopping or bool(self._calls) or self.engine.has_unfinished()

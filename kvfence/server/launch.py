@@ -92,7 +92,7 @@ def cmd_preflight(args: argparse.Namespace) -> int:
     return 0 if report.can_start else 1
 
 
-def serving_decode_threads(threads: int | None, dtype: str, device: str) -> int:
+def serving_decode_threads(threads: int | None, dtype: str, device: str, head_dim: int) -> int:
     """Colocated serving: how many threads decode-only steps get. With the C++ kernels (bfloat16 on CPU) a
     layer is a few large operators and decode gains from every core (W1 over HTTP: 2 threads faster than 1,
     docs/performance.md). On the torch path, decode-only steps leave one core to the HTTP event loop in the
@@ -103,7 +103,7 @@ def serving_decode_threads(threads: int | None, dtype: str, device: str) -> int:
     from kvfence.model import kernels
 
     n = threads or torch.get_num_threads()
-    if dtype == "bfloat16" and device == "cpu" and kernels.ops() is not None:
+    if dtype == "bfloat16" and device == "cpu" and kernels.supports(head_dim) and kernels.ops() is not None:
         return n
     return max(1, n - 1)
 
@@ -139,7 +139,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         config = replace(config, context_length=report.context_length)
     if config.decode_threads is None:  # the HTTP loop shares this process
         config = replace(
-            config, decode_threads=serving_decode_threads(config.num_threads, config.dtype, config.device)
+            config,
+            decode_threads=serving_decode_threads(
+                config.num_threads, config.dtype, config.device, loaded.config.head_dim
+            ),
         )
     if keys is None and not _is_loopback(args.host):
         log.warning("serving on %s without --api-keys: every client is the anonymous tenant", args.host)

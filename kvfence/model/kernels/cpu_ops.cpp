@@ -10,6 +10,7 @@
 // that share it.
 
 #include <torch/extension.h>
+#include <ATen/MemoryOverlap.h>
 #include <ATen/Parallel.h>
 
 #include <immintrin.h>
@@ -198,7 +199,10 @@ void paged_decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor kv
   TORCH_CHECK(kv.is_contiguous() && out.is_contiguous() && block_tables.is_contiguous() &&
                   context_lens.is_contiguous(), "contiguous inputs");
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "q: [B, H, Dh] with contiguous heads");
-  TORCH_CHECK(kv.dim() == 5 && kv.size(0) == 2, "kv: [2, P, S, Hkv, Dh]");
+  TORCH_CHECK(kv.dim() == 5 && kv.size(0) == 2 && kv.size(3) > 0, "kv: [2, P, S, Hkv, Dh]");
+  TORCH_CHECK(block_tables.dim() == 2 && context_lens.dim() == 1 && out.dim() == 3, "table, lengths, out ranks");
+  at::assert_no_overlap(out, q);
+  at::assert_no_overlap(out, kv);
   const int64_t B = q.size(0), H = q.size(1), Dh = q.size(2);
   const int64_t P = kv.size(1), S = kv.size(2), Hkv = kv.size(3);
   TORCH_CHECK(kv.size(4) == Dh && H % Hkv == 0 && Dh % LANES == 0, "head shapes");
@@ -312,6 +316,7 @@ torch::Tensor add_rms_norm_(torch::Tensor x, torch::Tensor delta, torch::Tensor 
   check_rows(x, "x");
   check_rows(delta, "delta");
   TORCH_CHECK(x.is_contiguous() && delta.sizes() == x.sizes(), "x contiguous, delta of the same shape");
+  at::assert_no_overlap(x, delta);
   TORCH_CHECK(weight.device().is_cpu() && weight.scalar_type() == at::kBFloat16 && weight.is_contiguous() &&
                   weight.numel() == x.size(1), "weight");
   auto out = torch::empty_like(x);
