@@ -70,9 +70,6 @@ def run_paged(
             prefills=[PrefillSeq(0, n, start, block)] if n > 1 else [],
             decode_idx=torch.tensor([0]) if n == 1 else None,
             decode_pages=block.unsqueeze(0) if n == 1 else None,
-            decode_mask=(torch.arange(len(block) * page_size) < start + 1)[None, None, None]
-            if n == 1
-            else None,
             decode_lens=torch.tensor([start + 1]) if n == 1 else None,
             sample_idx=torch.arange(n),
         )

@@ -99,7 +99,6 @@ class ModelRunner:
             prefills=prefills,
             decode_idx=None,
             decode_pages=None,
-            decode_mask=None,
             decode_lens=None,
             sample_idx=torch.tensor(sample_idx, dtype=torch.long, device=dev),
         )
@@ -121,11 +120,7 @@ class ModelRunner:
                 flat_idx.append(offset - 1)
         meta.decode_idx = torch.tensor(flat_idx, dtype=torch.long, device=dev)
         meta.decode_pages = torch.tensor(table, dtype=torch.long, device=dev)
-        meta.decode_lens = ctx
-        # decode_mask: [B, 1, 1, max_pages * S]; positions past each row's context (padding included) are masked
-        meta.decode_mask = (torch.arange(max_pages * S, device=dev).unsqueeze(0) < ctx.unsqueeze(1))[
-            :, None, None
-        ]
+        meta.decode_lens = ctx  # the model masks (or, with the kernels, stops) past each row's length
 
     def _maybe_drop_write(self, plan: Plan, slots: torch.Tensor, written: list[tuple[int, ...]]) -> None:
         """Fault knob `drop_write`: the first page a prefill row writes is silently not written (its slots are

@@ -47,7 +47,6 @@ class AttentionMetadata:
     prefills: list[PrefillSeq]  # requests with more than one new token, attended one by one
     decode_idx: Tensor | None  # [B] int64, flat index of each single-token request
     decode_pages: Tensor | None  # [B, max_pages] int64 block tables, padded with page 0
-    decode_mask: Tensor | None  # [B, 1, 1, max_pages * S] bool, True where a position is inside the context
     decode_lens: Tensor | None  # [B] int64, each decode row's context length (its current token included)
     sample_idx: Tensor  # [N] int64, flat index of the tokens whose logits we need
 
@@ -57,7 +56,9 @@ class StepTensors(NamedTuple):
 
     cos: Tensor  # [T, 1, Dh] in the model's dtype; [T, Dh] float32 for the C++ kernels
     signed_sin: Tensor  # same shape as cos
-    decode_hide: Tensor | None  # [B, 1, 1, max_pages * S] bool: ~decode_mask, positions a decode must not see
+    decode_hide: (
+        Tensor | None
+    )  # torch path: [B, 1, 1, max_pages * S] bool, True past each decode row's context
 
 
 class PagedKV:
@@ -234,14 +235,15 @@ class Attention(nn.Module):
         """One query token per row over its whole block table, all rows at once. With the C++ kernel, read in
         place from the pages; otherwise plain matmuls rather than scaled_dot_product_attention (for one query
         token in bfloat16 the CPU kernel is ten times slower)."""
-        assert meta.decode_pages is not None and step.decode_hide is not None
+        assert meta.decode_pages is not None and meta.decode_lens is not None
         b, h, hkv, dh = q.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
-        if self.kernels is not None and q.dtype == torch.bfloat16 and meta.decode_lens is not None:
+        if self.kernels is not None:
             out = torch.empty(b, h, dh, dtype=q.dtype, device=q.device)
             self.kernels.paged_decode_attention(
                 out, q, cache.kv[self.layer], meta.decode_pages, meta.decode_lens, self.scale
             )
             return out
+        assert step.decode_hide is not None
         # one copy into head-major order, so that both matmuls below run on views (no hidden copies)
         kv = cache.gather_kv(self.layer, meta.decode_pages).transpose(2, 3).contiguous()  # [2, B, Hkv, N, Dh]
         qg = q.view(b, hkv, h // hkv, dh)  # [B, Hkv, G, Dh]: the G query heads that share each KV head
@@ -323,9 +325,8 @@ class LlamaForCausalLM(nn.Module):
         """token_ids [T] -> logits [N, V] for the N tokens in meta.sample_idx (only those pay for the head)."""
         assert self.rotary is not None
         x = self.model.embed_tokens(token_ids)  # [T, D]
-        hide = None if meta.decode_mask is None else ~meta.decode_mask
-        if self.kernels is not None:
-            step = StepTensors(self.rotary.cos[meta.positions], self.rotary.signed_sin[meta.positions], hide)
+        if self.kernels is not None:  # the decode kernel stops at each row's length: no mask
+            step = StepTensors(self.rotary.cos[meta.positions], self.rotary.signed_sin[meta.positions], None)
             delta = None
             for layer in self.model.layers:
                 assert isinstance(layer, DecoderLayer)
@@ -335,6 +336,10 @@ class LlamaForCausalLM(nn.Module):
             if meta.sample_idx.numel() != x.shape[0]:
                 x = x[meta.sample_idx]
             return self.lm_head(x).float()  # type: ignore[no-any-return]
+        hide = None
+        if meta.decode_pages is not None and meta.decode_lens is not None:  # padding and beyond: masked
+            slots = torch.arange(meta.decode_pages.shape[1] * cache.page_size, device=x.device)
+            hide = (slots.unsqueeze(0) >= meta.decode_lens.unsqueeze(1))[:, None, None]
         step = StepTensors(*self.rotary.tables(meta.positions, x.dtype), hide)
         for layer in self.model.layers:
             x = layer(x, meta, cache, step)

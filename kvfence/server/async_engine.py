@@ -39,9 +39,8 @@ from kvfence.kv.prefix_cache import PrefixCacheStats
 
 log = logging.getLogger("kvfence.server")
 T = TypeVar("T")
-IDLE_TRIM_S = (
-    2.0  # after this long without work, the engine thread hands the heap's freed pages back to the OS
-)
+# after this long without a step, the engine thread hands the heap's freed pages back to the OS
+IDLE_TRIM_S = 2.0
 Item = tuple[int, RequestOutput]
 
 
