@@ -1,11 +1,15 @@
 """The C++ kernels against the torch path: one forward step, alternated in one process on the same inputs.
 
-    python bench/kernels.py [--threads N] [--reps 8]
+    python bench/kernels.py [--threads N] [--reps 8] [--quant-max-rows R]
 
-Loads the default model in bfloat16, builds three plans (8 decode rows at context 230, 1 decode row, one 196-token
-prefill; pages scattered over a 2,048-page pool) and runs each with the kernels on and off in alternating blocks
-(on/off, off/on, ...), so that machine noise falls on both sides alike. Prints the median step time of each and
-their ratio. Needs the kernels (`python -m kvfence.model.kernels`).
+Loads the default model in bfloat16, builds plans (8, 4 and 1 decode rows at context 230, one 196-token prefill;
+pages scattered over a 2,048-page pool) and runs each three ways in rotating blocks, so that machine noise falls
+on all alike:
+  - kernels: everything the server runs, the linear layers of a step of few rows on the GGUF's Q4_1/Q8_0 blocks;
+  - kernels, bf16 weights: the same kernels, but every linear layer on the bfloat16 weights (oneDNN);
+  - torch: no C++ kernels (KVFENCE_KERNELS=0).
+Prints the median step time of each and the ratios to torch. --quant-max-rows moves the row count up to which the
+blocks are used (the crossover this benchmark measures). Needs the kernels (`python -m kvfence.model.kernels`).
 """
 
 from __future__ import annotations
@@ -23,7 +27,8 @@ from kvfence.engine.plan import Plan, PlanRow
 from kvfence.engine.request import SamplingParams
 from kvfence.ids import LeaseId, PageId, RequestId
 from kvfence.model.fetch import DEFAULT_MODEL_PATH
-from kvfence.model.llama import MLP, Attention, LlamaForCausalLM
+from kvfence.model import llama
+from kvfence.model.llama import MLP, Attention, LlamaForCausalLM, PackedLinear
 
 
 def plan(rng: random.Random, rows: int, new: int, ctx: int, pool_pages: int) -> Plan:
@@ -41,7 +46,8 @@ def plan(rng: random.Random, rows: int, new: int, ctx: int, pool_pages: int) -> 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--reps", type=int, default=8, help="alternations per plan")
+    ap.add_argument("--reps", type=int, default=8, help="rotations per plan")
+    ap.add_argument("--quant-max-rows", type=int, default=None, help="one limit for every kind of block")
     args = ap.parse_args()
     pool_pages = 2048
     config = EngineConfig(
@@ -54,30 +60,44 @@ def main() -> None:
         raise SystemExit("the C++ kernels are not available (python -m kvfence.model.kernels)")
     torch.set_num_threads(args.threads)
 
-    def use_kernels(on: bool) -> None:
+    if args.quant_max_rows is not None:
+        llama.QUANT_MAX_ROWS = dict.fromkeys(llama.QUANT_MAX_ROWS, args.quant_max_rows)
+    linears = [m for m in model.modules() if isinstance(m, PackedLinear)]
+    blocks = {id(m): m.quant for m in linears}
+    if not any(blocks.values()):
+        print("note: this model has no Q4_1/Q8_0 blocks; the first two columns are the same")
+
+    def use(kernels_on: bool, quant_on: bool) -> None:
         for m in model.modules():
             if isinstance(m, (Attention, MLP, LlamaForCausalLM)):
-                m.kernels = ops if on else None
+                m.kernels = ops if kernels_on else None
+        for m in linears:
+            m.quant = blocks[id(m)] if quant_on else None
 
+    variants = {"kernels": (True, True), "kernels, bf16 weights": (True, False), "torch": (False, False)}
     rng = random.Random(0)
     plans = {
         "decode, 8 rows": (plan(rng, 8, 1, 230, pool_pages), 10),
+        "decode, 4 rows": (plan(rng, 4, 1, 230, pool_pages), 10),
         "decode, 1 row": (plan(rng, 1, 1, 230, pool_pages), 10),
         "prefill, 196 tokens": (plan(rng, 1, 196, 196, pool_pages), 3),
     }
-    print(f"threads {args.threads}, {args.reps} alternations; median step time")
+    names = list(variants)
+    print(f"threads {args.threads}, {args.reps} rotations, blocks up to {llama.QUANT_MAX_ROWS} rows; median step ms")
+    print(f"{'':20s}" + "".join(f"{n:>24s}" for n in names) + "   ratios to torch")
     for name, (step_plan, calls) in plans.items():
-        times: dict[bool, list[float]] = {True: [], False: []}
+        times: dict[str, list[float]] = {n: [] for n in names}
         for rep in range(args.reps):
-            for on in (True, False) if rep % 2 == 0 else (False, True):
-                use_kernels(on)
+            for v in names[rep % 3 :] + names[: rep % 3]:
+                use(*variants[v])
                 for _ in range(calls):
                     t0 = time.perf_counter()
                     runner.run(step_plan)
-                    times[on].append((time.perf_counter() - t0) * 1e3)
-        on_ms, off_ms = statistics.median(times[True]), statistics.median(times[False])
-        print(f"{name:20s} kernels {on_ms:8.2f} ms   torch {off_ms:8.2f} ms   ratio {on_ms / off_ms:.3f}")
-    use_kernels(True)
+                    times[v].append((time.perf_counter() - t0) * 1e3)
+        med = {n: statistics.median(times[n]) for n in names}
+        ratios = " ".join(f"{med[n] / med['torch']:.2f}" for n in names[:-1])
+        print(f"{name:20s}" + "".join(f"{med[n]:24.2f}" for n in names) + f"   {ratios}")
+    use(True, True)
 
 
 if __name__ == "__main__":

@@ -55,7 +55,7 @@ def run_paged(
     dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
     """Feed `ids` through our model in the given chunk sizes (1 = decode path); logits at every position."""
-    model = LlamaForCausalLM.from_weights(loaded.config, loaded.weights, dtype, "cpu")
+    model = LlamaForCausalLM.from_weights(loaded.config, loaded.weights, dtype, "cpu", loaded.quantized)
     num_pages = -(-len(ids) // page_size)
     cache = PagedKV(loaded.config, num_pages + 3, page_size, dtype, "cpu")
     pages = [PageId(p) for p in reversed(range(3, num_pages + 3))]  # non-contiguous, out of order

@@ -88,7 +88,7 @@ class LLMEngine:
         )
         if runner is None:
             model = LlamaForCausalLM.from_weights(
-                loaded.config, loaded.weights, config.torch_dtype, config.device
+                loaded.config, loaded.weights, config.torch_dtype, config.device, loaded.quantized
             )
             runner = ModelRunner(
                 model,

@@ -18,6 +18,7 @@ P = pages in the pool, S = page size (tokens per page).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from types import ModuleType
 from typing import NamedTuple
@@ -30,6 +31,7 @@ from torch import Tensor, nn
 
 from kvfence.model import kernels
 from kvfence.model.config import ModelConfig
+from kvfence.model.loader import QuantBlocks
 
 
 @dataclass
@@ -351,8 +353,15 @@ class LlamaForCausalLM(nn.Module):
 
     @classmethod
     def from_weights(
-        cls, cfg: ModelConfig, weights: dict[str, Tensor], dtype: torch.dtype, device: str
+        cls,
+        cfg: ModelConfig,
+        weights: dict[str, Tensor],
+        dtype: torch.dtype,
+        device: str,
+        quantized: Mapping[str, QuantBlocks] | None = None,
     ) -> LlamaForCausalLM:
+        """`quantized`: the loader's Q4_1/Q8_0 blocks of some linear weights; with the C++ kernels, a step of
+        few rows multiplies by those blocks instead of the bfloat16 weights (`PackedLinear`)."""
         with torch.device("meta"):
             model = cls(cfg)
         model = model.to_empty(device=device)
@@ -373,19 +382,29 @@ class LlamaForCausalLM(nn.Module):
             for module in model.modules():
                 if isinstance(module, (LlamaForCausalLM, Attention, MLP)):
                     module.kernels = ops
+            if ops is not None and quantized:
+                attach_quantized(model, fuse_quantized(quantized, cfg), ops)
         return model
 
 
 class PackedLinear(nn.Module):
     """A bfloat16 CPU linear layer whose weight oneDNN reordered once, at load, into its blocked layout. Same
     results as `F.linear` (bit for bit in our tests), which reorders the weight on every call: 1.7-1.9x faster
-    for the few rows of a decode step, the same for a long prefill (docs/performance.md)."""
+    for the few rows of a decode step, the same for a long prefill (docs/performance.md).
+
+    When the GGUF stored this weight as Q4_1 or Q8_0 blocks and the C++ kernels run, `quant` holds those blocks
+    and inputs of at most `QUANT_MAX_ROWS` rows (decode steps) are multiplied by them directly: a decode step
+    reads its weights from memory once, and the blocks are a third of the bytes (Q4_1)."""
+
+    quant: QuantBlocks | None = None
+    kernels: ModuleType | None = None
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
         with torch.no_grad():
             packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), DECODE_ROWS_HINT)
         self.register_buffer("packed_weight", packed, persistent=False)
+        self.out_features, self.in_features = linear.weight.shape
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach(), requires_grad=False)
 
     @staticmethod
@@ -398,11 +417,44 @@ class PackedLinear(nn.Module):
         )
 
     def forward(self, x: Tensor) -> Tensor:
-        y: Tensor = torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
+        q = self.quant
+        if q is not None and self.kernels is not None and x.dim() == 2 and x.shape[0] <= QUANT_MAX_ROWS[q.kind]:
+            y: Tensor = self.kernels.quant_linear(x, q.qs, q.d, q.m, q.kind_id)
+        else:
+            y = torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
         return y
 
 
 DECODE_ROWS_HINT = 8  # oneDNN picks the packed layout for this many rows; any row count works
+# rows up to which the quantized-block kernels beat oneDNN on bfloat16 weights (docs/performance.md)
+QUANT_MAX_ROWS = {"Q4_1": 6, "Q8_0": 2}
+
+
+def fuse_quantized(quantized: Mapping[str, QuantBlocks], cfg: ModelConfig) -> dict[str, QuantBlocks]:
+    """The blocks under this model's parameter names: q/k/v and gate/up concatenated like `fuse_projections`
+    (a group whose parts differ in kind stays unfused, and then is not used); a tied head takes the
+    embedding's blocks."""
+    fused = dict(quantized)
+    for i in range(cfg.num_layers):
+        prefix = f"model.layers.{i}."
+        for target, parts in FUSED:
+            names = [prefix + p for p in parts]
+            if all(n in fused for n in names):
+                blocks = QuantBlocks.cat([fused.pop(n) for n in names])
+                if blocks is not None:
+                    fused[prefix + target] = blocks
+    if cfg.tie_word_embeddings and "model.embed_tokens.weight" in fused:
+        fused["lm_head.weight"] = fused["model.embed_tokens.weight"]
+    return fused
+
+
+def attach_quantized(model: nn.Module, quantized: Mapping[str, QuantBlocks], ops: ModuleType) -> None:
+    """Give each bias-free PackedLinear its weight's blocks, when they have its shape."""
+    for name, module in model.named_modules():
+        blocks = quantized.get(name + ".weight")
+        if isinstance(module, PackedLinear) and blocks is not None and module.bias is None:
+            if blocks.shape == (module.out_features, module.in_features):
+                module.quant, module.kernels = blocks, ops
 
 
 def pack_linears(model: nn.Module) -> None:

@@ -3,8 +3,9 @@
 Boundary: file formats end here. Two sources are accepted: a `.gguf` file (llama.cpp) and a Hugging Face
 directory (`config.json` + `*.safetensors` + `tokenizer.json`). Both produce the same `LoadedModel`, whose
 weight names and layouts are those of `transformers`' LlamaForCausalLM / Qwen2ForCausalLM, so the forward pass
-never knows where the weights came from. Quantized GGUF tensors are dequantized here; nothing downstream sees
-a quantization type.
+never knows where the weights came from. Quantized GGUF tensors are dequantized here. Linear weights stored
+as Q4_1 or Q8_0 blocks are also kept as those blocks (`LoadedModel.quantized`, split by `QuantBlocks`), for
+the C++ kernels that multiply by them directly; every other consumer sees only the dequantized weights.
 
 Every way a file can be wrong ends in a `ModelLoadError` whose message names the file and the problem.
 """
@@ -14,8 +15,8 @@ from __future__ import annotations
 import json
 import logging
 import os
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +31,7 @@ from kvfence.model.tokenizer import ModelLoadError, Tokenizer
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["LoadedModel", "ModelLoadError", "expected_shapes", "load_model", "load_tokenizer"]
+__all__ = ["LoadedModel", "ModelLoadError", "QuantBlocks", "expected_shapes", "load_model", "load_tokenizer"]
 
 # GGUF per-layer tensor suffix -> Hugging Face per-layer suffix.
 _GGUF_LAYER = {
@@ -60,25 +61,82 @@ _PERMUTED_ARCHS = ("llama", "mistral")
 _HF_ARCHS = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2"}
 
 
+QBLOCK = 32  # weights per Q4_1 / Q8_0 block, along a row
+_BLOCK_BYTES = {"Q4_1": 20, "Q8_0": 34}  # Q4_1: fp16 d, fp16 m, 16 bytes of nibbles; Q8_0: fp16 d, 32 int8
+
+
+@dataclass(frozen=True)
+class QuantBlocks:
+    """A linear weight [N, K] as the GGUF stores it, in blocks of 32 along each row, split into arrays the
+    kernels read directly (`kvfence/model/kernels`): `qs` [N, K/2] (Q4_1: block element j in the low nibble of
+    byte j, element j + 16 in its high nibble) or [N, K] (Q8_0: int8 as bytes); `d` and `m` [N, K/32] float16.
+    Weight = d * q + m (Q4_1) or d * q (Q8_0, `m` is empty)."""
+
+    kind: str  # "Q4_1" or "Q8_0"
+    qs: torch.Tensor
+    d: torch.Tensor
+    m: torch.Tensor
+
+    @property
+    def kind_id(self) -> int:  # the kernels' enum
+        return 0 if self.kind == "Q4_1" else 1
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.qs.shape[0], self.d.shape[1] * QBLOCK
+
+    @staticmethod
+    def split(raw: np.ndarray, kind: str) -> QuantBlocks:
+        """From a GGUF tensor's bytes [N, K/32 * block bytes]."""
+        n = raw.shape[0]
+        blocks = np.ascontiguousarray(raw).reshape(n, -1, _BLOCK_BYTES[kind])
+        d = blocks[:, :, 0:2].copy().view(np.float16).reshape(n, -1)
+        if kind == "Q4_1":
+            m, qs = blocks[:, :, 2:4].copy().view(np.float16).reshape(n, -1), blocks[:, :, 4:].reshape(n, -1)
+        else:
+            m, qs = np.zeros((0, 0), np.float16), blocks[:, :, 2:].reshape(n, -1)
+        return QuantBlocks(kind, torch.from_numpy(qs.copy()), torch.from_numpy(d), torch.from_numpy(m))
+
+    def map_rows(self, fn: Callable[[np.ndarray], np.ndarray]) -> QuantBlocks:
+        """The same weight with its rows reordered by `fn` (a row permutation of [N, ...] arrays)."""
+        m = self.m if self.kind == "Q8_0" else torch.from_numpy(np.ascontiguousarray(fn(self.m.numpy())))
+        return QuantBlocks(
+            self.kind,
+            torch.from_numpy(np.ascontiguousarray(fn(self.qs.numpy()))),
+            torch.from_numpy(np.ascontiguousarray(fn(self.d.numpy()))),
+            m,
+        )
+
+    @staticmethod
+    def cat(parts: Sequence[QuantBlocks]) -> QuantBlocks | None:
+        """The rows of `parts` one after another (a fused projection); None unless all are of one kind."""
+        if len({p.kind for p in parts}) != 1 or len({p.shape[1] for p in parts}) != 1:
+            return None
+        m = parts[0].m if parts[0].kind == "Q8_0" else torch.cat([p.m for p in parts])
+        return QuantBlocks(parts[0].kind, torch.cat([p.qs for p in parts]), torch.cat([p.d for p in parts]), m)
+
+
 @dataclass
 class LoadedModel:
     config: ModelConfig
     weights: dict[str, torch.Tensor]  # Hugging Face names and layouts; no lm_head.weight when tied
     tokenizer: Tokenizer
     source: str  # the path it was loaded from
+    quantized: dict[str, QuantBlocks] = field(default_factory=dict)  # the weights a GGUF stores as blocks
 
 
 def load_model(path: str | os.PathLike[str], dtype: torch.dtype = torch.float32) -> LoadedModel:
     """Load a `.gguf` file or a Hugging Face model directory; weights are cast to `dtype` on CPU."""
     p = Path(path)
+    quantized: dict[str, QuantBlocks] = {}
     if p.is_dir():
         config, weights, tokenizer = _load_hf_dir(p)
     elif p.is_file():
-        config, weights, tokenizer = _load_gguf(p)
+        config, weights, tokenizer, quantized = _load_gguf(p)
     else:
         raise ModelLoadError(f"{p}: no such file or directory")
     weights = {name: w.to(dtype) for name, w in weights.items()}
-    return LoadedModel(config=config, weights=weights, tokenizer=tokenizer, source=str(p))
+    return LoadedModel(config=config, weights=weights, tokenizer=tokenizer, source=str(p), quantized=quantized)
 
 
 def load_tokenizer(path: str | os.PathLike[str]) -> Tokenizer:
@@ -134,7 +192,7 @@ def _gguf_name(hf_name: str) -> str:
 # -- GGUF -------------------------------------------------------------------------------------------------
 
 
-def _load_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer]:
+def _load_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer, dict[str, QuantBlocks]]:
     reader = _open_gguf(path)
     meta = _GGUFMeta(reader, path)
     arch = meta.get("general.architecture")
@@ -172,6 +230,7 @@ def _load_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokeni
         name=str(meta.get("general.name", path.stem)),
     )
     weights: dict[str, torch.Tensor] = {}
+    quantized: dict[str, QuantBlocks] = {}
     for hf_name, shape in expected_shapes(config).items():
         gg_name = _gguf_name(hf_name)
         if gg_name not in tensors:
@@ -181,12 +240,16 @@ def _load_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokeni
             raise ModelLoadError(
                 f"{path}: tensor {gg_name} has shape {w.shape}, expected {shape} from the model config"
             )
-        if arch in _PERMUTED_ARCHS and gg_name.endswith(("attn_q.weight", "attn_q.bias")):
-            w = _unpermute(w, config.num_heads)
-        elif arch in _PERMUTED_ARCHS and gg_name.endswith(("attn_k.weight", "attn_k.bias")):
-            w = _unpermute(w, config.num_kv_heads)
+        kind = tensors[gg_name].tensor_type.name
+        blocks = QuantBlocks.split(tensors[gg_name].data, kind) if kind in _BLOCK_BYTES and len(shape) == 2 else None
+        heads = {"attn_q": config.num_heads, "attn_k": config.num_kv_heads}.get(gg_name.split(".")[-2])
+        if arch in _PERMUTED_ARCHS and heads is not None:
+            w = _unpermute(w, heads)
+            blocks = blocks and blocks.map_rows(lambda a, h=heads: _unpermute(a, h))
         weights[hf_name] = torch.from_numpy(w)
-    return config, weights, tokenizer
+        if blocks is not None:
+            quantized[hf_name] = blocks
+    return config, weights, tokenizer, quantized
 
 
 class _PlainArrayReader(gguf.GGUFReader):
