@@ -26,8 +26,8 @@ from kvfence.engine.llm_engine import LLMEngine
 from kvfence.engine.plan import Plan, PlanRow
 from kvfence.engine.request import SamplingParams
 from kvfence.ids import LeaseId, PageId, RequestId
-from kvfence.model.fetch import DEFAULT_MODEL_PATH
 from kvfence.model import llama
+from kvfence.model.fetch import DEFAULT_MODEL_PATH
 from kvfence.model.llama import MLP, Attention, LlamaForCausalLM, PackedLinear
 
 
@@ -83,7 +83,9 @@ def main() -> None:
         "prefill, 196 tokens": (plan(rng, 1, 196, 196, pool_pages), 3),
     }
     names = list(variants)
-    print(f"threads {args.threads}, {args.reps} rotations, blocks up to {llama.QUANT_MAX_ROWS} rows; median step ms")
+    print(
+        f"threads {args.threads}, {args.reps} rotations, blocks up to {llama.QUANT_MAX_ROWS} rows; median step ms"
+    )
     print(f"{'':20s}" + "".join(f"{n:>24s}" for n in names) + "   ratios to torch")
     for name, (step_plan, calls) in plans.items():
         times: dict[str, list[float]] = {n: [] for n in names}

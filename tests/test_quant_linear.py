@@ -30,7 +30,10 @@ def blocks_of(w: np.ndarray, kind: str) -> tuple[QuantBlocks, torch.Tensor]:
 @pytest.mark.parametrize("n", [1, 5, 37])  # columns left over after tiles of 4 and 2
 def test_matches_float32_on_the_dequantized_weight(kind, k, n):
     rng = np.random.default_rng(k * 100 + n)
-    w = rng.standard_normal((n, k)).astype(np.float32) * 0.05 + rng.standard_normal((n, 1)).astype(np.float32) * 0.02
+    w = (
+        rng.standard_normal((n, k)).astype(np.float32) * 0.05
+        + rng.standard_normal((n, 1)).astype(np.float32) * 0.02
+    )
     blocks, exact = blocks_of(w, kind)
     for rows in (1, 2, 3, 4, 5, 8, 9, 17):  # every row tile, and more rows than one tile
         x = torch.from_numpy(rng.standard_normal((rows, k)).astype(np.float32)).bfloat16()
@@ -87,16 +90,22 @@ def test_bfloat16_model_multiplies_by_the_blocks_for_few_rows(tmp_path):
         tmp_path / "m.gguf", qtype="Q4_1", tie=True, seed=5, qtype_overrides={"token_embd.weight": "Q8_0"}
     )
     loaded = load_model(path, dtype=torch.bfloat16)
-    model = LlamaForCausalLM.from_weights(loaded.config, loaded.weights, torch.bfloat16, "cpu", loaded.quantized)
+    model = LlamaForCausalLM.from_weights(
+        loaded.config, loaded.weights, torch.bfloat16, "cpu", loaded.quantized
+    )
     linears = {name: m for name, m in model.named_modules() if isinstance(m, PackedLinear)}
-    assert all(m.quant is not None for m in linears.values()), [n for n, m in linears.items() if m.quant is None]
+    assert all(m.quant is not None for m in linears.values()), [
+        n for n, m in linears.items() if m.quant is None
+    ]
     assert linears["model.layers.0.self_attn.qkv_proj"].quant.shape == (
         linears["model.layers.0.self_attn.qkv_proj"].out_features,
         loaded.config.hidden_size,
     )
     assert linears["lm_head"].quant.kind == "Q8_0"
 
-    ids = torch.randint(0, loaded.config.vocab_size, (30,), generator=torch.Generator().manual_seed(1)).tolist()
+    ids = torch.randint(
+        0, loaded.config.vocab_size, (30,), generator=torch.Generator().manual_seed(1)
+    ).tolist()
     chunks = [20, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1]
     blocks = run_paged(loaded, ids, chunks, dtype=torch.bfloat16)
     saved = dict(llama.QUANT_MAX_ROWS)

@@ -418,7 +418,12 @@ class PackedLinear(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         q = self.quant
-        if q is not None and self.kernels is not None and x.dim() == 2 and x.shape[0] <= QUANT_MAX_ROWS[q.kind]:
+        if (
+            q is not None
+            and self.kernels is not None
+            and x.dim() == 2
+            and x.shape[0] <= QUANT_MAX_ROWS[q.kind]
+        ):
             y: Tensor = self.kernels.quant_linear(x, q.qs, q.d, q.m, q.kind_id)
         else:
             y = torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
@@ -452,9 +457,13 @@ def attach_quantized(model: nn.Module, quantized: Mapping[str, QuantBlocks], ops
     """Give each bias-free PackedLinear its weight's blocks, when they have its shape."""
     for name, module in model.named_modules():
         blocks = quantized.get(name + ".weight")
-        if isinstance(module, PackedLinear) and blocks is not None and module.bias is None:
-            if blocks.shape == (module.out_features, module.in_features):
-                module.quant, module.kernels = blocks, ops
+        if (
+            isinstance(module, PackedLinear)
+            and blocks is not None
+            and module.bias is None
+            and blocks.shape == (module.out_features, module.in_features)
+        ):
+            module.quant, module.kernels = blocks, ops
 
 
 def pack_linears(model: nn.Module) -> None:

@@ -113,7 +113,9 @@ class QuantBlocks:
         if len({p.kind for p in parts}) != 1 or len({p.shape[1] for p in parts}) != 1:
             return None
         m = parts[0].m if parts[0].kind == "Q8_0" else torch.cat([p.m for p in parts])
-        return QuantBlocks(parts[0].kind, torch.cat([p.qs for p in parts]), torch.cat([p.d for p in parts]), m)
+        return QuantBlocks(
+            parts[0].kind, torch.cat([p.qs for p in parts]), torch.cat([p.d for p in parts]), m
+        )
 
 
 @dataclass
@@ -136,7 +138,9 @@ def load_model(path: str | os.PathLike[str], dtype: torch.dtype = torch.float32)
     else:
         raise ModelLoadError(f"{p}: no such file or directory")
     weights = {name: w.to(dtype) for name, w in weights.items()}
-    return LoadedModel(config=config, weights=weights, tokenizer=tokenizer, source=str(p), quantized=quantized)
+    return LoadedModel(
+        config=config, weights=weights, tokenizer=tokenizer, source=str(p), quantized=quantized
+    )
 
 
 def load_tokenizer(path: str | os.PathLike[str]) -> Tokenizer:
@@ -241,11 +245,17 @@ def _load_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokeni
                 f"{path}: tensor {gg_name} has shape {w.shape}, expected {shape} from the model config"
             )
         kind = tensors[gg_name].tensor_type.name
-        blocks = QuantBlocks.split(tensors[gg_name].data, kind) if kind in _BLOCK_BYTES and len(shape) == 2 else None
+        blocks = (
+            QuantBlocks.split(tensors[gg_name].data, kind)
+            if kind in _BLOCK_BYTES and len(shape) == 2
+            else None
+        )
         heads = {"attn_q": config.num_heads, "attn_k": config.num_kv_heads}.get(gg_name.split(".")[-2])
         if arch in _PERMUTED_ARCHS and heads is not None:
-            w = _unpermute(w, heads)
-            blocks = blocks and blocks.map_rows(lambda a, h=heads: _unpermute(a, h))
+            n_head = heads
+            w = _unpermute(w, n_head)
+            if blocks is not None:
+                blocks = blocks.map_rows(lambda a: _unpermute(a, n_head))
         weights[hf_name] = torch.from_numpy(w)
         if blocks is not None:
             quantized[hf_name] = blocks
