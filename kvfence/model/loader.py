@@ -12,6 +12,7 @@ Every way a file can be wrong ends in a `ModelLoadError` whose message names the
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -252,10 +253,9 @@ def _load_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokeni
         )
         heads = {"attn_q": config.num_heads, "attn_k": config.num_kv_heads}.get(gg_name.split(".")[-2])
         if arch in _PERMUTED_ARCHS and heads is not None:
-            n_head = heads
-            w = _unpermute(w, n_head)
+            w = _unpermute(w, heads)
             if blocks is not None:
-                blocks = blocks.map_rows(lambda a: _unpermute(a, n_head))
+                blocks = blocks.map_rows(functools.partial(_unpermute, n_head=heads))
         weights[hf_name] = torch.from_numpy(w)
         if blocks is not None:
             quantized[hf_name] = blocks
