@@ -63,6 +63,7 @@ serve_kvfence() {  # serve_kvfence LABEL [kvfence serve flags]
 run_kvfence() {
   serve_kvfence kvfence-bf16 --dtype bfloat16
   serve_kvfence kvfence-bf16-nochecks --dtype bfloat16 --no-integrity-checks
+  KVFENCE_QUANT_KERNELS=0 serve_kvfence kvfence-bf16-bf16w --dtype bfloat16   # kernels, bfloat16 weights only
   KVFENCE_KERNELS=0 serve_kvfence kvfence-bf16-torch --dtype bfloat16   # without the C++ kernels
   serve_kvfence kvfence-fp32 --dtype float32
   serve_kvfence kvfence-pd-bf16 --mode pd --dtype bfloat16

@@ -382,7 +382,7 @@ class LlamaForCausalLM(nn.Module):
             for module in model.modules():
                 if isinstance(module, (LlamaForCausalLM, Attention, MLP)):
                     module.kernels = ops
-            if ops is not None and quantized:
+            if ops is not None and quantized and kernels.quant_enabled():
                 attach_quantized(model, fuse_quantized(quantized, cfg), ops)
         return model
 

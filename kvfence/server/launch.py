@@ -92,18 +92,28 @@ def cmd_preflight(args: argparse.Namespace) -> int:
     return 0 if report.can_start else 1
 
 
-def serving_decode_threads(threads: int | None, dtype: str, device: str, head_dim: int) -> int:
-    """Colocated serving: how many threads decode-only steps get. With the C++ kernels (bfloat16 on CPU) a
-    layer is a few large operators and decode gains from every core (W1 over HTTP: 2 threads faster than 1,
-    docs/performance.md). On the torch path, decode-only steps leave one core to the HTTP event loop in the
-    same process: with every core in the step, the OpenMP workers of each of its ~2,000 small operators wait on
-    whichever one the event loop preempted (measured on 2 cores: W1 154 against 134 tok/s)."""
+def serving_decode_threads(
+    threads: int | None, dtype: str, device: str, head_dim: int, quantized: bool = False
+) -> int:
+    """Colocated serving: how many threads decode-only steps get.
+
+    - Torch path: one core is left to the HTTP event loop in the same process. With every core in the step, the
+      OpenMP workers of each of its ~2,000 small operators wait on whichever one the event loop preempted
+      (measured on 2 cores: W1 154 against 134 tok/s).
+    - C++ kernels on bfloat16 weights: a layer is a few large operators and decode gains from every core (W1 over
+      HTTP: 2 threads faster than 1, docs/performance.md).
+    - C++ kernels on the GGUF's Q4_1 blocks (`quantized`): a decode step reads a third of the bytes and one
+      thread keeps up; the spare core goes to the event loop again (2 cores: W2 13.8 against 18.0 ms per token,
+      W1 168 against 128-158 tok/s)."""
     import torch
 
     from kvfence.model import kernels
 
     n = threads or torch.get_num_threads()
-    if dtype == "bfloat16" and device == "cpu" and kernels.supports(head_dim) and kernels.ops() is not None:
+    kernel_path = (
+        dtype == "bfloat16" and device == "cpu" and kernels.supports(head_dim) and kernels.ops() is not None
+    )
+    if kernel_path and not (quantized and kernels.quant_enabled()):
         return n
     return max(1, n - 1)
 
@@ -141,7 +151,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
         config = replace(
             config,
             decode_threads=serving_decode_threads(
-                config.num_threads, config.dtype, config.device, loaded.config.head_dim
+                config.num_threads,
+                config.dtype,
+                config.device,
+                loaded.config.head_dim,
+                quantized=any(b.kind == "Q4_1" for b in loaded.quantized.values()),
             ),
         )
     if keys is None and not _is_loopback(args.host):

@@ -8,8 +8,10 @@ or another CPU gets its own build, and an unchanged one loads in about a millise
 `python -m kvfence.model.kernels` builds them ahead of time (`make` does, so the first request does not wait).
 
 What they are for (docs/performance.md): decode attention read straight from the pages, instead of a gather,
-a copy into head-major order and about eight small torch operators per layer; and RMSNorm with the residual
-add, rotary and silu(gate) * up, each one pass instead of three to eight operators.
+a copy into head-major order and about eight small torch operators per layer; RMSNorm with the residual
+add, rotary and silu(gate) * up, each one pass instead of three to eight operators; and linear layers that
+multiply a decode step's few rows by the GGUF's own Q4_1/Q8_0 blocks, reading a third of the bytes of the
+bfloat16 weights (`KVFENCE_QUANT_KERNELS=0` keeps the other kernels but multiplies by the bfloat16 weights).
 """
 
 from __future__ import annotations
@@ -35,6 +37,10 @@ CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno"]
 
 def enabled() -> bool:
     return os.environ.get("KVFENCE_KERNELS", "1") != "0"
+
+
+def quant_enabled() -> bool:
+    return os.environ.get("KVFENCE_QUANT_KERNELS", "1") != "0"
 
 
 def supports(head_dim: int) -> bool:
