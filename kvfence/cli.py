@@ -18,7 +18,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     from kvfence.model.fetch import DEFAULT_MODEL_PATH
 
     p.add_argument("--model", default=str(DEFAULT_MODEL_PATH), help="GGUF file or Hugging Face directory")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument(
+        "--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+        help="auto: bfloat16 on CUDA and on CPUs with AVX512-BF16 or AMX, else float32",
+    )  # fmt: skip
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
     pool = p.add_mutually_exclusive_group()
@@ -64,11 +67,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
-    from kvfence.engine.config import EngineConfig
+    from kvfence.engine.config import EngineConfig, resolve_dtype
 
     return EngineConfig(
         model=args.model,
-        dtype=args.dtype,
+        dtype=resolve_dtype(args.dtype, args.device),
         device=args.device,
         page_size=args.page_size,
         kv_pages=args.kv_pages,

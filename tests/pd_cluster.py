@@ -43,8 +43,9 @@ def start_cluster(
 ) -> Iterator[Router]:
     """`netns_prefill`: a command prefix (ip netns exec NS) to run the prefill workers on another host."""
     router = Router(bind=bind, dead_after_s=dead_after_s)
+    # float32, as the colocated references the tests compare with (the CLI's default, auto, is bfloat16 here)
     common = ["--model", str(tiny_dir), "--router", router.addr, "--threads", "1", "--page-size", "4",
-              "--transfer-timeout", str(transfer_timeout_s)]  # fmt: skip
+              "--dtype", "float32", "--transfer-timeout", str(transfer_timeout_s)]  # fmt: skip
     common += [] if checks else ["--no-integrity-checks"]
     env = {**os.environ, **(env or {}), "KVFENCE_FAULTS": prefill_faults, "KVFENCE_FAULT_ARMING": "1"}
     worker = [sys.executable, "-m", "kvfence.pd.cli"]
@@ -122,7 +123,7 @@ def pd_serve(
     /health answers, fails at once if the server exits."""
     port = free_port()
     cmd = [sys.executable, "-m", "kvfence", "serve", "--mode", "pd", "--model", str(model_dir), "--port",
-           str(port), "--api-keys", str(keys_file), "--threads", "2", *flags]  # fmt: skip
+           str(port), "--api-keys", str(keys_file), "--threads", "2", "--dtype", "float32", *flags]  # fmt: skip
     proc = subprocess.Popen(cmd, env={**os.environ, "KVFENCE_FAULTS": "", **(env or {})})
     url = f"http://127.0.0.1:{port}"
     try:

@@ -11,6 +11,23 @@ from kvfence.model.config import ModelConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEFAULT_KV_CACHE_GIB = 1.0
+_NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16")  # /proc/cpuinfo flags of CPUs with bfloat16 dot products
+
+
+def resolve_dtype(dtype: str, device: str) -> str:
+    """The command line's `--dtype auto` (its default): bfloat16 on CUDA and on CPUs with native bfloat16 dot
+    products (AVX512-BF16 or AMX, where the C++ kernels run; 2-4x faster than float32 here), float32 on
+    other CPUs, where bfloat16 is emulated and slower. Any other value is returned as it is."""
+    if dtype != "auto":
+        return dtype
+    if device.startswith("cuda"):
+        return "bfloat16"
+    try:
+        with open("/proc/cpuinfo", "rb") as f:
+            flags = next((line for line in f if line.startswith(b"flags")), b"").split()
+    except OSError:
+        return "float32"
+    return "bfloat16" if any(flag.decode() in _NATIVE_BF16_FLAGS for flag in flags) else "float32"
 
 
 @dataclass(frozen=True)

@@ -88,8 +88,11 @@ def cmd_serve_pd(args: argparse.Namespace) -> int:
 
 @contextlib.contextmanager
 def _workers(router: Router, args: argparse.Namespace) -> Iterator[list[subprocess.Popen[bytes]]]:
+    from kvfence.engine.config import resolve_dtype
+
     threads = str(max(1, (args.threads or 2) // 2))  # two workers share this machine's cores
-    common = ["--router", router.addr, "--model", args.model, "--dtype", args.dtype, "--device", args.device,
+    dtype = resolve_dtype(args.dtype, args.device)  # here, so both workers get the same concrete dtype
+    common = ["--router", router.addr, "--model", args.model, "--dtype", dtype, "--device", args.device,
               "--page-size", str(args.page_size), "--threads", threads,
               "--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens", str(args.max_num_batched_tokens),
               "--prefill-batch-tokens", str(args.prefill_batch_tokens),
