@@ -101,6 +101,56 @@ def test_refuses_pages_outside_the_pool_and_contexts_beyond_the_table():
         OPS.paged_decode_attention(out.float(), q.float(), kv.float(), tables, ctx, 0.125)
 
 
+def prefill_case(q_len, k_len, heads, kv_heads, head_dim, seed=0):
+    """q, k, v as the model has them: strided views of a fused [tokens, H + 2 Hkv, Dh] projection (q for the
+    chunk's last q_len tokens)."""
+    g = torch.Generator().manual_seed(seed)
+    qkv = torch.randn(k_len, heads + 2 * kv_heads, head_dim, generator=g).bfloat16()
+    return qkv[k_len - q_len :, :heads], qkv[:, heads : heads + kv_heads], qkv[:, heads + kv_heads :]
+
+
+def prefill_reference(q, k, v, scale):
+    """float32 attention where query i of the chunk sees keys [0, k_len - q_len + i]."""
+    q_len, k_len = q.shape[0], k.shape[0]
+    mask = torch.arange(k_len)[None, :] <= torch.arange(q_len)[:, None] + (k_len - q_len)
+    o = F.scaled_dot_product_attention(
+        *(t.float().transpose(0, 1)[None] for t in (q, k, v)), attn_mask=mask, scale=scale, enable_gqa=True
+    )
+    return o[0].transpose(0, 1)
+
+
+@pytest.mark.parametrize(
+    "q_len,k_len,heads,kv_heads,head_dim",
+    [(196, 196, 9, 3, 64), (7, 30, 4, 2, 32), (1, 1, 4, 4, 16), (50, 50, 6, 1, 48), (100, 300, 8, 2, 128),
+     (65, 65, 4, 2, 64)],
+)  # fmt: skip
+def test_prefill_attention_matches_float32(q_len, k_len, heads, kv_heads, head_dim):
+    """A first chunk (k_len == q_len) and later chunks (keys before the chunk), key blocks of 16 and groups
+    of 64 cut anywhere, the register path (Dh of 64, 128) and the generic one."""
+    q, k, v = prefill_case(q_len, k_len, heads, kv_heads, head_dim)
+    out = torch.empty(q_len, heads, head_dim, dtype=torch.bfloat16)
+    OPS.prefill_attention(out, q, k, v, head_dim**-0.5)
+    torch.testing.assert_close(out.float(), prefill_reference(q, k, v, head_dim**-0.5), atol=1e-2, rtol=1e-2)
+
+
+def test_prefill_attention_is_causal_and_refuses_bad_shapes():
+    """NaN in the last key and value changes only the last query; fewer keys than queries is refused."""
+    q, k, v = prefill_case(40, 40, 9, 3, 64, seed=1)
+    clean = torch.empty(40, 9, 64, dtype=torch.bfloat16)
+    OPS.prefill_attention(clean, q, k, v, 0.125)
+    k, v = k.clone(), v.clone()
+    k[-1], v[-1] = float("nan"), float("nan")
+    out = torch.empty_like(clean)
+    OPS.prefill_attention(out, q, k, v, 0.125)
+    assert torch.equal(out[:-1], clean[:-1]) and torch.isnan(out[-1]).all()
+    with pytest.raises(RuntimeError, match="shapes"):
+        OPS.prefill_attention(out, q, k[:30], v[:30], 0.125)
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        OPS.prefill_attention(out.float(), q.float(), k.float(), v.float(), 0.125)
+    with pytest.raises(RuntimeError):
+        OPS.prefill_attention(q, q, k, v, 0.125)  # out overlaps an input
+
+
 @pytest.mark.parametrize("rows", [1, 8, 77])  # a decode step's few rows run inline, a prefill's in parallel
 def test_fused_layer_operators_match_float32(rows):
     """RMSNorm (alone and after the residual add), rotary in place, and silu(gate) * up: float32 inside, one

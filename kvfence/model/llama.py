@@ -220,6 +220,16 @@ class Attention(nn.Module):
 
     def _prefill(self, q: Tensor, k_new: Tensor, v_new: Tensor, seq: PrefillSeq, cache: PagedKV) -> Tensor:
         ctx, span = seq.start_pos + seq.q_len, slice(seq.q_start, seq.q_start + seq.q_len)
+        if (
+            self.kernels is not None
+        ):  # query i sees keys [0, start_pos + i]: the chunk's own K/V, or all pages
+            if seq.start_pos == 0:
+                k, v = k_new[span], v_new[span]
+            else:
+                k, v = (t[:ctx] for t in cache.gather(self.layer, seq.pages))
+            out = torch.empty(seq.q_len, self.num_heads, self.head_dim, dtype=q.dtype, device=q.device)
+            self.kernels.prefill_attention(out, q[span], k, v, self.scale)
+            return out
         qs = q[span].transpose(0, 1).unsqueeze(0)  # [1, H, q_len, Dh]
         if seq.start_pos == 0:  # a first chunk attends only to itself: its K/V as computed, no read-back
             k, v = k_new[span].transpose(0, 1).unsqueeze(0), v_new[span].transpose(0, 1).unsqueeze(0)
