@@ -60,11 +60,14 @@ def test_reads_a_row_of_strided_activations_and_refuses_bad_shapes():
 
 
 def test_loader_keeps_the_blocks_of_exactly_the_weights_it_dequantizes(tmp_path):
-    """Every kept block set dequantizes to the loaded float32 weight, q/k rows un-permuted like the weights."""
+    """Every kept block set dequantizes to the float32 weight the loader gives, q/k rows un-permuted like the
+    weights; only a bfloat16 load keeps blocks, and only of Q4_1/Q8_0 tensors."""
     path = write_tiny_gguf(
         tmp_path / "m.gguf", qtype="Q4_1", tie=True, seed=3, qtype_overrides={"token_embd.weight": "Q8_0"}
     )
-    loaded = load_model(path)
+    loaded = load_model(path, dtype=torch.bfloat16)  # blocks are kept for the bfloat16 kernels only
+    exact = load_model(path)
+    assert exact.quantized == {}
     assert "model.layers.0.self_attn.q_proj.weight" in loaded.quantized
     assert loaded.quantized["model.embed_tokens.weight"].kind == "Q8_0"
     for name, b in loaded.quantized.items():
@@ -75,8 +78,9 @@ def test_loader_keeps_the_blocks_of_exactly_the_weights_it_dequantizes(tmp_path)
             w = b.d.float().numpy()[:, :, None] * q + b.m.float().numpy()[:, :, None]
         else:
             w = b.d.float().numpy()[:, :, None] * q.view(np.int8).astype(np.float32)
-        np.testing.assert_array_equal(w.reshape(n, k), loaded.weights[name].numpy(), err_msg=name)
-    assert load_model(write_tiny_gguf(tmp_path / "f.gguf", qtype="F16")).quantized == {}
+        np.testing.assert_array_equal(w.reshape(n, k), exact.weights[name].numpy(), err_msg=name)
+    f16 = write_tiny_gguf(tmp_path / "f.gguf", qtype="F16")
+    assert load_model(f16, dtype=torch.bfloat16).quantized == {}
 
 
 def test_bfloat16_model_multiplies_by_the_blocks_for_few_rows(tmp_path):

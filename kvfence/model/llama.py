@@ -220,9 +220,8 @@ class Attention(nn.Module):
 
     def _prefill(self, q: Tensor, k_new: Tensor, v_new: Tensor, seq: PrefillSeq, cache: PagedKV) -> Tensor:
         ctx, span = seq.start_pos + seq.q_len, slice(seq.q_start, seq.q_start + seq.q_len)
-        if (
-            self.kernels is not None
-        ):  # query i sees keys [0, start_pos + i]: the chunk's own K/V, or all pages
+        if self.kernels is not None:
+            # query i sees keys [0, start_pos + i]: the chunk's own K/V, or every page read back
             if seq.start_pos == 0:
                 k, v = k_new[span], v_new[span]
             else:

@@ -135,7 +135,8 @@ def load_model(path: str | os.PathLike[str], dtype: torch.dtype = torch.float32)
     if p.is_dir():
         config, weights, tokenizer = _load_hf_dir(p)
     elif p.is_file():
-        config, weights, tokenizer, quantized = _load_gguf(p)
+        # the blocks serve only the bfloat16 kernels; other dtypes would load them for nothing
+        config, weights, tokenizer, quantized = _load_gguf(p, keep_blocks=dtype == torch.bfloat16)
     else:
         raise ModelLoadError(f"{p}: no such file or directory")
     weights = {name: w.to(dtype) for name, w in weights.items()}
@@ -197,7 +198,9 @@ def _gguf_name(hf_name: str) -> str:
 # -- GGUF -------------------------------------------------------------------------------------------------
 
 
-def _load_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer, dict[str, QuantBlocks]]:
+def _load_gguf(
+    path: Path, keep_blocks: bool = True
+) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer, dict[str, QuantBlocks]]:
     reader = _open_gguf(path)
     meta = _GGUFMeta(reader, path)
     arch = meta.get("general.architecture")
@@ -248,7 +251,7 @@ def _load_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokeni
         kind = tensors[gg_name].tensor_type.name
         blocks = (
             QuantBlocks.split(tensors[gg_name].data, kind)
-            if kind in _BLOCK_BYTES and len(shape) == 2
+            if keep_blocks and kind in _BLOCK_BYTES and len(shape) == 2
             else None
         )
         heads = {"attn_q": config.num_heads, "attn_k": config.num_kv_heads}.get(gg_name.split(".")[-2])
