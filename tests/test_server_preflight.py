@@ -175,3 +175,18 @@ def test_serve_command_clamps_and_serves(tiny_dir, tmp_path):
     finally:
         proc.terminate()
         proc.wait(30)
+
+
+def test_dtype_auto_is_bfloat16_where_the_cpu_has_bfloat16_dot_products():
+    """`--dtype auto` (the command line's default) resolves to one concrete dtype; others pass through."""
+    from kvfence.cli import build_parser, engine_config_from_args
+    from kvfence.engine.config import resolve_dtype
+
+    with open("/proc/cpuinfo") as f:
+        flags = next((line for line in f if line.startswith("flags")), "").split()
+    native = "avx512_bf16" in flags or "amx_bf16" in flags
+    assert resolve_dtype("auto", "cpu") == ("bfloat16" if native else "float32")
+    assert resolve_dtype("auto", "cuda") == "bfloat16"
+    assert resolve_dtype("float16", "cpu") == "float16" and resolve_dtype("float32", "cuda") == "float32"
+    args = build_parser().parse_args(["generate", "--prompt", "x"])
+    assert args.dtype == "auto" and engine_config_from_args(args).dtype == resolve_dtype("auto", "cpu")
