@@ -2,6 +2,7 @@
 # Serving benchmark against the peers, on the same weights and the same cores (never part of `make test`).
 #
 #   bench/peers.sh [all | kvfence | vllm | llamacpp | transformers | table]
+#   bench/peers.sh rounds N     # N rounds of vLLM against kvfence (colocated and PD), order swapped each round
 #
 # Installs each peer in its own directory under $PEERS (default ~/.cache/kvfence/peers), starts it on the
 # default model with $THREADS compute threads, runs workloads W1 and W2 of bench/serve.py against it, stops it,
@@ -83,7 +84,8 @@ install_vllm() {
   "$venv/bin/pip" uninstall -y torchvision torchaudio torchcodec || true
 }
 
-run_vllm() {
+run_vllm() {  # run_vllm [LABEL]
+  local label=${1:-vllm-bf16}
   install_vllm
   export_hf
   log "starting vLLM (75-120 s)"
@@ -95,7 +97,7 @@ run_vllm() {
   if wait_healthy "http://127.0.0.1:$PORT/health" "$pid" 600; then
     "$PY" "$ROOT/bench/serve.py" --base-url "http://127.0.0.1:$PORT" --workload W1 --label warmup \
       --quiet >/dev/null || true  # its first run is slow
-    workloads vllm-bf16
+    workloads "$label"
   fi
   stop "$pid"
 }
@@ -140,13 +142,23 @@ print_table() {
   echo "machine: $(nproc) cores, $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2), load $(cut -d' ' -f1-3 /proc/loadavg)"
 }
 
+run_rounds() {  # run_rounds N: side by side repeated, so that machine drift falls on both (docs/performance.md)
+  for i in $(seq "$1"); do
+    if (( i % 2 == 1 )); then run_vllm "vllm-bf16-r$i"; fi
+    serve_kvfence "kvfence-bf16-r$i" --dtype bfloat16
+    serve_kvfence "kvfence-pd-bf16-r$i" --mode pd --dtype bfloat16
+    if (( i % 2 == 0 )); then run_vllm "vllm-bf16-r$i"; fi
+  done
+}
+
 case "${1:-all}" in
   kvfence) run_kvfence ;;
   vllm) run_vllm ;;
   llamacpp) run_llamacpp ;;
   transformers) run_transformers ;;
   table) ;;
+  rounds) run_rounds "${2:-2}" ;;
   all) run_kvfence; run_vllm; run_llamacpp; run_transformers ;;
-  *) echo "usage: $0 [all|kvfence|vllm|llamacpp|transformers|table]" >&2; exit 2 ;;
+  *) echo "usage: $0 [all|kvfence|vllm|llamacpp|transformers|table|rounds N]" >&2; exit 2 ;;
 esac
 print_table
