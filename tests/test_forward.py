@@ -116,30 +116,40 @@ def test_smollm2_bfloat16_tracks_float32(smollm2):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])  # bfloat16 decodes through the C++ kernel
 def test_runner_reads_and_writes_only_block_table_pages(tiny_model, dtype):
     """Poison every page outside the block table with NaN: results are unchanged. Poison one page inside it:
-    they change. Writes never land outside the block table either."""
+    they change. Writes never land outside the block table either. The prompt comes in two chunks, so a
+    prefill reading pages back is covered too (bfloat16: the C++ prefill attention)."""
     from kvfence.engine.model_runner import ModelRunner
 
     model = LlamaForCausalLM.from_weights(tiny_model.config, tiny_model.weights, dtype, "cpu")
     table = (PageId(5), PageId(2), PageId(7))
     greedy = SamplingParams(temperature=0, logprobs=0)
 
-    def run(poison: list[int], poison_after_prefill: list[int] = ()) -> float:
+    def run(
+        poison: list[int], poison_after_prefill: list[int] = (), poison_after_chunk: list[int] = ()
+    ) -> tuple[float, float]:
+        """The log-probabilities of the second prompt chunk's last token and of the decode."""
         runner = ModelRunner(model, num_pages=8, page_size=4, dtype=dtype, device="cpu")
         runner.cache.kv[:, :, poison] = float("nan")
         rid = RequestId("r")
-        prefill = PlanRow(rid, tuple(range(3, 13)), 0, table, (LeaseId(1),) * 3, False, greedy, 0)
-        result = runner.run(Plan((prefill,), 1))
-        assert result.written == ((0, 1, 2),)
+        # the prompt in two chunks: the second attends over the first's K/V read back from the pages
+        first = PlanRow(rid, tuple(range(3, 9)), 0, table, (LeaseId(1),) * 3, False, greedy, 0)
+        assert runner.run(Plan((first,), 1)).written == ((0, 1),)
+        runner.cache.kv[:, :, list(poison_after_chunk)] = float("nan")
+        second = PlanRow(rid, tuple(range(9, 13)), 6, table, (LeaseId(1),) * 3, True, greedy, 0)
+        result = runner.run(Plan((second,), 2))
+        assert result.written == ((1, 2),) and result.logprobs is not None
+        chunk = result.logprobs[rid][0]
         runner.cache.kv[:, :, list(poison_after_prefill)] = float("nan")
         decode = PlanRow(rid, (13,), 10, table, (LeaseId(1),) * 3, True, greedy, 0)
-        result = runner.run(Plan((decode,), 2))
+        result = runner.run(Plan((decode,), 3))
         assert result.logprobs is not None
-        return result.logprobs[rid][0]
+        return chunk, result.logprobs[rid][0]
 
     clean = run([])
     outside = [0, 1, 3, 4, 6, 8]  # every page outside the table, and the scratch page
     assert run(outside) == clean
-    assert math.isnan(run([], poison_after_prefill=[2]))  # the decode reads page 2: it is in the table
+    assert math.isnan(run([], poison_after_prefill=[2])[1])  # the decode reads page 2: it is in the table
+    assert math.isnan(run([], poison_after_chunk=[5])[0])  # the second chunk reads the first's page back
 
 
 @pytest.mark.parametrize("tie,bias", [(True, False), (False, True)])

@@ -1,28 +1,17 @@
 """The C++ kernels (kvfence/model/kernels) against float32 references, and what decode attention may read.
 
-The kernels are optional at run time (the model falls back to torch), but `make test` sets
-KVFENCE_REQUIRE_KERNELS=1 so that a build that stopped working fails here instead of silently serving slower.
+Without the kernels the module is skipped, except under `make test`, where it fails (tests/kernel_ops.py).
 """
 
 from __future__ import annotations
-
-import os
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from kvfence.model import kernels
+from tests.kernel_ops import kernel_ops
 
-OPS = kernels.ops()
-if OPS is None:
-    if os.environ.get("KVFENCE_REQUIRE_KERNELS") == "1":
-        raise RuntimeError("KVFENCE_REQUIRE_KERNELS=1 but the C++ kernels could not be built (see the log)")
-    pytest.skip(
-        "C++ kernels not built on this machine (no g++, or not x86-64); the model runs its torch path. "
-        "`make test` sets KVFENCE_REQUIRE_KERNELS=1, which fails here instead",
-        allow_module_level=True,
-    )
+OPS = kernel_ops()
 
 
 def reference(q, kv, tables, lens, scale):

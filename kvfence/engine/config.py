@@ -22,12 +22,10 @@ def resolve_dtype(dtype: str, device: str) -> str:
         return dtype
     if device.startswith("cuda"):
         return "bfloat16"
-    try:
-        with open("/proc/cpuinfo", "rb") as f:
-            flags = next((line for line in f if line.startswith(b"flags")), b"").split()
-    except OSError:
-        return "float32"
-    return "bfloat16" if any(flag.decode() in _NATIVE_BF16_FLAGS for flag in flags) else "float32"
+    from kvfence.model.kernels import cpu_flags
+
+    flags = cpu_flags().decode().split()
+    return "bfloat16" if any(flag in _NATIVE_BF16_FLAGS for flag in flags) else "float32"
 
 
 @dataclass(frozen=True)

@@ -18,10 +18,10 @@ P = pages in the pool, S = page size (tokens per page).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from types import ModuleType
-from typing import NamedTuple
+from typing import NamedTuple, TypeVar
 
 import numpy as np
 import torch
@@ -32,6 +32,8 @@ from torch import Tensor, nn
 from kvfence.model import kernels
 from kvfence.model.config import ModelConfig
 from kvfence.model.loader import QuantBlocks
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -446,17 +448,9 @@ QUANT_MAX_ROWS = {"Q4_1": 6, "Q8_0": 2}
 
 def fuse_quantized(quantized: Mapping[str, QuantBlocks], cfg: ModelConfig) -> dict[str, QuantBlocks]:
     """The blocks under this model's parameter names: q/k/v and gate/up concatenated like `fuse_projections`
-    (a group whose parts differ in kind stays unfused, and then is not used); a tied head takes the
-    embedding's blocks."""
-    fused = dict(quantized)
-    for i in range(cfg.num_layers):
-        prefix = f"model.layers.{i}."
-        for target, parts in FUSED:
-            names = [prefix + p for p in parts]
-            if all(n in fused for n in names):
-                blocks = QuantBlocks.cat([fused.pop(n) for n in names])
-                if blocks is not None:
-                    fused[prefix + target] = blocks
+    (a group whose parts differ in kind is dropped, and those layers keep the bfloat16 weights); a tied head
+    takes the embedding's blocks."""
+    fused = _fuse(quantized, cfg.num_layers, QuantBlocks.cat)
     if cfg.tie_word_embeddings and "model.embed_tokens.weight" in fused:
         fused["lm_head.weight"] = fused["model.embed_tokens.weight"]
     return fused
@@ -498,11 +492,18 @@ def fuse_projections(weights: dict[str, Tensor], num_layers: int) -> dict[str, T
     """A copy of `weights` (HF names) where each layer's q/k/v and gate/up projections are concatenated into the
     fused parameters this model uses. A group that is absent (no attention bias) is skipped; a partial group is
     left alone so that the missing-weights check names what is missing."""
-    fused = dict(weights)
+    return _fuse(weights, num_layers, torch.cat)
+
+
+def _fuse(items: Mapping[str, T], num_layers: int, cat: Callable[[list[T]], T | None]) -> dict[str, T]:
+    """Each layer's complete FUSED groups concatenated by `cat` in row order (None from `cat`: dropped)."""
+    fused = dict(items)
     for i in range(num_layers):
         prefix = f"model.layers.{i}."
         for target, parts in FUSED:
             names = [prefix + p for p in parts]
             if all(n in fused for n in names):
-                fused[prefix + target] = torch.cat([fused.pop(n) for n in names], dim=0)
+                joined = cat([fused.pop(n) for n in names])
+                if joined is not None:
+                    fused[prefix + target] = joined
     return fused

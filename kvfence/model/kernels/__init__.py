@@ -48,7 +48,8 @@ def supports(head_dim: int) -> bool:
     return head_dim % 16 == 0
 
 
-def _cpu_flags() -> bytes:
+def cpu_flags() -> bytes:
+    """The `flags` line of /proc/cpuinfo (empty where there is none): the CPU's instruction sets."""
     try:
         with open("/proc/cpuinfo", "rb") as f:
             return next((line for line in f if line.startswith(b"flags")), b"")
@@ -58,7 +59,7 @@ def _cpu_flags() -> bytes:
 
 def build_dir() -> Path:
     key = hashlib.sha256(
-        SOURCE.read_bytes() + " ".join(CFLAGS).encode() + torch.__version__.encode() + _cpu_flags()
+        SOURCE.read_bytes() + " ".join(CFLAGS).encode() + torch.__version__.encode() + cpu_flags()
     ).hexdigest()[:16]
     root = Path(os.environ.get("KVFENCE_CACHE", Path.home() / ".cache" / "kvfence"))
     return root / "kernels" / key
