@@ -29,7 +29,7 @@ import torch.nn.functional as F
 import xxhash
 from torch import Tensor, nn
 
-from kvfence.model import kernels
+from kvfence.model import hugepages, kernels
 from kvfence.model.config import ModelConfig
 from kvfence.model.loader import QuantBlocks
 
@@ -72,19 +72,14 @@ class PagedKV:
         self, cfg: ModelConfig, num_pages: int, page_size: int, dtype: torch.dtype, device: str
     ) -> None:
         self.page_size = page_size
-        # kv: [L, 2, P, S, Hkv, Dh]
-        self.kv = torch.zeros(
-            cfg.num_layers,
-            2,
-            num_pages,
-            page_size,
-            cfg.num_kv_heads,
-            cfg.head_dim,
-            dtype=dtype,
-            device=device,
-        )
-        # zeros() may map memory lazily; touch it all now so the pool exists for real before serving starts
-        # (fails at startup rather than mid-request if the memory is not there, and keeps step latency steady)
+        # kv: [L, 2, P, S, Hkv, Dh]; on CPU on huge pages (a decode step reads it at scattered pages)
+        shape = (cfg.num_layers, 2, num_pages, page_size, cfg.num_kv_heads, cfg.head_dim)
+        if torch.device(device).type == "cpu":
+            self.kv = hugepages.empty(shape, dtype)
+        else:
+            self.kv = torch.empty(shape, dtype=dtype, device=device)
+        # touch it all now so the pool exists for real before serving starts (fails at startup rather than
+        # mid-request if the memory is not there, and keeps step latency steady)
         self.kv.fill_(0)
 
     def write(self, layer: int, slots: Tensor, k: Tensor, v: Tensor) -> None:
@@ -457,7 +452,9 @@ def fuse_quantized(quantized: Mapping[str, QuantBlocks], cfg: ModelConfig) -> di
 
 
 def attach_quantized(model: nn.Module, quantized: Mapping[str, QuantBlocks], ops: ModuleType) -> None:
-    """Give each bias-free PackedLinear its weight's blocks, when they have its shape."""
+    """Give each bias-free PackedLinear its weight's blocks, when they have its shape. Every decode step streams
+    all of them, so they move into one buffer on huge pages (`hugepages.pack`)."""
+    takers: list[tuple[PackedLinear, QuantBlocks]] = []
     for name, module in model.named_modules():
         blocks = quantized.get(name + ".weight")
         if (
@@ -466,7 +463,11 @@ def attach_quantized(model: nn.Module, quantized: Mapping[str, QuantBlocks], ops
             and module.bias is None
             and blocks.shape == (module.out_features, module.in_features)
         ):
-            module.quant, module.kernels = blocks, ops
+            takers.append((module, blocks))
+    placed = iter(hugepages.pack([t for _, b in takers for t in (b.qs, b.d, b.m)]))
+    for module, blocks in takers:
+        module.quant = QuantBlocks(blocks.kind, next(placed), next(placed), next(placed))
+        module.kernels = ops
 
 
 def pack_linears(model: nn.Module) -> None:

@@ -162,14 +162,25 @@ inline __m512 load_bf16x16(const uint16_t* src) {
       _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src))), 16));
 }
 
-// acc[g] (64 floats each, g < G <= 4) = sum over t of probs[g * ctx + t] * V_t, V_t the head's row of token t
-inline void weighted_sum_64(float* acc, const float* probs, int64_t ctx, int64_t G, const int64_t* table, int64_t S,
-                            const uint16_t* v_head, int64_t token_stride) {
+constexpr int64_t AHEAD = 16;  // tokens between a prefetch and the read it serves
+
+// Bring `bytes` at p towards L1, one prefetch per 64-byte line.
+inline void prefetch(const void* p, int64_t bytes) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t i = 0; i < bytes; i += 64) _mm_prefetch(c + i, _MM_HINT_T0);
+}
+
+// acc[g] (64 floats each, g < G <= 4) = sum over t of probs[g * ctx + t] * V_t, V_t the head's row of token t at
+// v_head + offsets[t]. A non-zero `prefetch_row` prefetches that many values of the token AHEAD tokens on (the
+// first KV head's pass fetches whole rows, so the other heads' passes find them in cache).
+inline void weighted_sum_64(float* acc, const float* probs, int64_t ctx, int64_t G, const int64_t* offsets,
+                            const uint16_t* v_head, int64_t prefetch_row) {
   __m512 a[4][4];
   for (int g = 0; g < 4; ++g)
     for (int c = 0; c < 4; ++c) a[g][c] = _mm512_setzero_ps();
   for (int64_t t = 0; t < ctx; ++t) {
-    const uint16_t* v = v_head + (table[t / S] * S + t % S) * token_stride;
+    if (prefetch_row && t + AHEAD < ctx) prefetch(v_head + offsets[t + AHEAD], prefetch_row * sizeof(uint16_t));
+    const uint16_t* v = v_head + offsets[t];
     const __m512 v0 = load_bf16x16(v), v1 = load_bf16x16(v + 16), v2 = load_bf16x16(v + 32), v3 = load_bf16x16(v + 48);
     for (int g = 0; g < 4; ++g) {
       if (g >= G) break;
@@ -182,6 +193,56 @@ inline void weighted_sum_64(float* acc, const float* probs, int64_t ctx, int64_t
   }
   for (int64_t g = 0; g < G; ++g)
     for (int c = 0; c < 4; ++c) _mm512_storeu_ps(acc + g * 64 + c * 16, a[g][c]);
+}
+#endif
+
+#if defined(__AVX512BF16__)
+// The sums of v[0], ..., v[15] in lanes 0-15 of one vector: a transpose-and-add tree (45 instructions where 16
+// horizontal reductions take about twice as many, each a chain of dependent shuffles).
+inline __m512 sum16(const __m512* v) {
+  __m512 a[8], b[4];
+  for (int i = 0; i < 8; ++i)  // per 128-bit lane: [v2i 0+2, v2i+1 0+2, v2i 1+3, v2i+1 1+3]
+    a[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) {  // per 128-bit lane L: the lane-L sums of v4i .. v4i+3
+    const __m512d x = _mm512_castps_pd(a[2 * i]), y = _mm512_castps_pd(a[2 * i + 1]);
+    b[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+  }
+  constexpr int EVEN = 0x88, ODD = 0xdd;  // 128-bit lanes (0, 2) and (1, 3) of each operand
+  const __m512 c0 = _mm512_add_ps(_mm512_shuffle_f32x4(b[0], b[1], EVEN), _mm512_shuffle_f32x4(b[0], b[1], ODD));
+  const __m512 c1 = _mm512_add_ps(_mm512_shuffle_f32x4(b[2], b[3], EVEN), _mm512_shuffle_f32x4(b[2], b[3], ODD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(c0, c1, EVEN), _mm512_shuffle_f32x4(c0, c1, ODD));
+}
+
+// scores[h * ctx + t] = scale * (q_h . K_t) for every head and token of one row, 16 tokens at a time: per KV head
+// and query head, 16 accumulators of dpbf16 over Dh (a multiple of 32), summed by sum16. While a block is
+// scored, the next block's K rows are prefetched, and during the last block the first V rows.
+inline void score_blocks(float* scores, int64_t ctx, const int64_t* offsets, const uint16_t* k_base,
+                         const uint16_t* v_base, const uint16_t* qb, int64_t Hkv, int64_t G, int64_t Dh, float scale) {
+  const int64_t row_bytes = Hkv * Dh * static_cast<int64_t>(sizeof(uint16_t));
+  const __m512 vscale = _mm512_set1_ps(scale);
+  for (int64_t t0 = 0; t0 < ctx; t0 += 16) {
+    const int64_t nt = ctx - t0 < 16 ? ctx - t0 : 16;
+    if (t0 + 16 < ctx) {
+      for (int64_t t = t0 + 16; t < t0 + 32 && t < ctx; ++t) prefetch(k_base + offsets[t], row_bytes);
+    } else {
+      for (int64_t t = 0; t < AHEAD && t < ctx; ++t) prefetch(v_base + offsets[t], row_bytes);
+    }
+    const uint16_t* keys[16];
+    for (int64_t j = 0; j < 16; ++j) keys[j] = k_base + offsets[t0 + (j < nt ? j : 0)];  // padding: any real row
+    const __mmask16 keep = static_cast<__mmask16>(nt == 16 ? 0xffff : (1u << nt) - 1);
+    for (int64_t kh = 0; kh < Hkv; ++kh)
+      for (int64_t g = 0; g < G; ++g) {
+        const uint16_t* q = qb + (kh * G + g) * Dh;
+        __m512 acc[16];
+        for (int j = 0; j < 16; ++j) acc[j] = _mm512_setzero_ps();
+        for (int64_t d = 0; d < Dh; d += 32) {
+          const __m512bh qv = (__m512bh)_mm512_loadu_si512(q + d);
+          for (int j = 0; j < 16; ++j)
+            acc[j] = _mm512_dpbf16_ps(acc[j], qv, (__m512bh)_mm512_loadu_si512(keys[j] + kh * Dh + d));
+        }
+        _mm512_mask_storeu_ps(scores + (kh * G + g) * ctx + t0, keep, _mm512_mul_ps(sum16(acc), vscale));
+      }
+  }
 }
 #endif
 
@@ -225,22 +286,33 @@ void paged_decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor kv
   const int64_t q_row = q.stride(0), q_head = q.stride(1);
   const float fscale = static_cast<float>(scale);
 
-  // One row at a time, all its heads together: each token's K (then V) for every KV head is one contiguous run of
-  // Hkv * Dh values, and a page's tokens follow each other, so the reads stream through each page in order.
+  // One row at a time, all its heads together. Each token's K (then V) for every KV head is one contiguous run of
+  // Hkv * Dh values. With AVX512-BF16 and Dh a multiple of 32, scores come 16 tokens at a time (sum16) and the
+  // reads of the next 16 tokens are prefetched while these are computed: pages are scattered over a pool much
+  // larger than the caches, and without prefetching a row's reads wait on memory one page at a time (a decode
+  // step of 8 rows spent ~40% of its time here, docs/performance.md).
   at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(H * Dh), acc(H * Dh), vec(Hkv * Dh), scores, inv_sum(H);
+    std::vector<uint16_t> qb(H * Dh);
+    std::vector<int64_t> offsets;  // each token's offset in K (and V): its slot * Hkv * Dh
     for (int64_t b = begin; b < end; ++b) {
       const int64_t ctx = lens[b];
-      std::vector<uint16_t> qb(H * Dh);
       for (int64_t h = 0; h < H; ++h) {
         std::memcpy(&qb[h * Dh], q_base + b * q_row + h * q_head, Dh * sizeof(uint16_t));
         bf16_to_f32(&qb[h * Dh], &qf[h * Dh], Dh);
       }
       scores.resize(H * ctx);
+      offsets.resize(ctx);
       const int64_t* table = tables + b * max_pages;
+      for (int64_t t = 0, i = 0; t < ctx; ++i)
+        for (int64_t s = 0; s < S && t < ctx; ++s, ++t) offsets[t] = (table[i] * S + s) * Hkv * Dh;
+#if defined(__AVX512BF16__)
+      if (Dh % 32 == 0) {
+        score_blocks(scores.data(), ctx, offsets.data(), k_base, v_base, qb.data(), Hkv, G, Dh, fscale);
+      } else
+#endif
       for (int64_t t = 0; t < ctx; ++t) {
-        const int64_t slot = table[t / S] * S + t % S;
-        const uint16_t* k = k_base + slot * Hkv * Dh;
+        const uint16_t* k = k_base + offsets[t];
         for (int64_t h = 0; h < H; ++h)
           scores[h * ctx + t] = dot_bf16(&qb[h * Dh], k + (h / G) * Dh, &qf[h * Dh], vec.data(), Dh) * fscale;
       }
@@ -253,13 +325,13 @@ void paged_decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor kv
       std::fill(acc.begin(), acc.end(), 0.0f);
 #ifdef __AVX512F__
       if (Dh == 64 && G <= 4) {  // SmolLM2's shape: one KV head's G accumulators stay in registers
-        for (int64_t kh = 0; kh < Hkv; ++kh) weighted_sum_64(&acc[kh * G * 64], &scores[kh * G * ctx], ctx, G, table, S,
-                                                          v_base + kh * 64, Hkv * 64);
+        for (int64_t kh = 0; kh < Hkv; ++kh)
+          weighted_sum_64(&acc[kh * G * 64], &scores[kh * G * ctx], ctx, G, offsets.data(), v_base + kh * 64,
+                          kh == 0 ? Hkv * 64 : 0);
       } else
 #endif
       for (int64_t t = 0; t < ctx; ++t) {
-        const int64_t slot = table[t / S] * S + t % S;
-        bf16_to_f32(v_base + slot * Hkv * Dh, vec.data(), Hkv * Dh);
+        bf16_to_f32(v_base + offsets[t], vec.data(), Hkv * Dh);
         for (int64_t h = 0; h < H; ++h) axpy(&acc[h * Dh], scores[h * ctx + t], &vec[(h / G) * Dh], Dh);
       }
       for (int64_t h = 0; h < H; ++h) {
@@ -781,11 +853,14 @@ torch::Tensor quant_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor d, t
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode_attention", &paged_decode_attention, "decode attention over KV pages (bfloat16, CPU)");
-  m.def("rms_norm", &rms_norm, "RMSNorm of each row");
-  m.def("add_rms_norm_", &add_rms_norm_, "x += delta in place, then RMSNorm of x");
-  m.def("rotary_", &rotary_, "rotary embedding in place on the first heads");
-  m.def("silu_mul", &silu_mul, "silu(gate) * up");
-  m.def("prefill_attention", &prefill_attention, "causal attention of a chunk over its keys (bfloat16, CPU)");
-  m.def("quant_linear", &quant_linear, "x @ W^T with W as Q4_1 or Q8_0 blocks (bfloat16 activations)");
+  // Every kernel runs without the GIL: they touch no Python object, and the server's event loop (same process)
+  // can then serve HTTP on another core while a step runs, as it can during torch's own operators.
+  const auto nogil = py::call_guard<py::gil_scoped_release>();
+  m.def("paged_decode_attention", &paged_decode_attention, "decode attention over KV pages (bfloat16, CPU)", nogil);
+  m.def("rms_norm", &rms_norm, "RMSNorm of each row", nogil);
+  m.def("add_rms_norm_", &add_rms_norm_, "x += delta in place, then RMSNorm of x", nogil);
+  m.def("rotary_", &rotary_, "rotary embedding in place on the first heads", nogil);
+  m.def("silu_mul", &silu_mul, "silu(gate) * up", nogil);
+  m.def("prefill_attention", &prefill_attention, "causal attention of a chunk over its keys (bfloat16, CPU)", nogil);
+  m.def("quant_linear", &quant_linear, "x @ W^T with W as Q4_1 or Q8_0 blocks (bfloat16 activations)", nogil);
 }

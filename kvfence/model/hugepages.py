@@ -1,0 +1,66 @@
+"""Big, long-lived CPU buffers on transparent huge pages (2 MiB), where Linux offers them.
+
+Every decode step reads the KV pool at scattered places (each row's pages) and streams the GGUF blocks of every
+linear layer. On 4 KiB pages each of those reads also walks the page tables, and in a virtual machine (nested
+paging) a walk costs hundreds of cycles. Many systems enable transparent huge pages only for memory that asks for
+them (`madvise` mode), so these buffers ask: an anonymous private mapping with MADV_HUGEPAGE, touched after the
+advice, so that the kernel backs each aligned 2 MiB of it with one page. Measured on this machine
+(docs/performance.md): decode attention over 8 rows, 349 against 450 us per layer with the same kernel.
+
+`KVFENCE_HUGEPAGES=0` turns this off (plain `torch.empty`); so does a platform without MADV_HUGEPAGE. Small
+buffers are never worth a mapping of their own. The memory counts in RSS like any other.
+"""
+
+from __future__ import annotations
+
+import math
+import mmap
+import os
+from collections.abc import Sequence
+
+import torch
+
+HUGE_PAGE = 2 << 20
+MIN_BYTES = 4 * HUGE_PAGE  # below this a buffer gains little and wastes up to a huge page
+ALIGN = 64  # bytes: every tensor placed in an arena starts on a cache line
+
+
+def enabled() -> bool:
+    return os.environ.get("KVFENCE_HUGEPAGES", "1") != "0" and hasattr(mmap, "MADV_HUGEPAGE")
+
+
+def empty(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialized CPU tensor; from a huge-page mapping when it is big enough and huge pages are on. Its
+    memory is not touched yet, so the first write (which should follow soon) decides the page size."""
+    nbytes = math.prod(shape) * dtype.itemsize
+    if not enabled() or nbytes < MIN_BYTES:
+        return torch.empty(*shape, dtype=dtype)
+    return _mapping(nbytes)[:nbytes].view(dtype).view(*shape)
+
+
+def pack(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Copies of contiguous CPU `tensors`, laid out one after another (64-byte aligned) in one buffer that
+    `empty` allocates, so that many mid-sized weights share huge pages. Returns them in order."""
+    offsets, total = [], 0
+    for t in tensors:
+        offsets.append(total)
+        total += -(-t.numel() * t.element_size() // ALIGN) * ALIGN
+    arena = empty((total,), torch.uint8)
+    out = []
+    for t, offset in zip(tensors, offsets, strict=True):
+        nbytes = t.numel() * t.element_size()
+        placed = arena[offset : offset + nbytes].view(t.dtype).view(t.shape)
+        placed.copy_(t)
+        out.append(placed)
+    return out
+
+
+def _mapping(nbytes: int) -> torch.Tensor:
+    """A private anonymous mapping of at least `nbytes` advised for huge pages, as a uint8 tensor that keeps it
+    alive. Its start is only 4 KiB-aligned: the tensor begins at the first 2 MiB boundary inside it."""
+    flags = mmap.MAP_PRIVATE | getattr(mmap, "MAP_ANONYMOUS", 0)
+    buf = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=flags)
+    buf.madvise(mmap.MADV_HUGEPAGE)
+    whole = torch.frombuffer(buf, dtype=torch.uint8)
+    skip = -whole.data_ptr() % HUGE_PAGE
+    return whole[skip : skip + nbytes]
