@@ -52,6 +52,16 @@ def test_decode_attention_matches_float32(heads, kv_heads, head_dim):
     torch.testing.assert_close(out.float(), expected, atol=1e-2, rtol=1e-2)
 
 
+@pytest.mark.parametrize("page_size", [1, 4, 32])
+def test_decode_attention_any_page_size(page_size):
+    """The kernel scores 16 tokens at a time whatever the page size: blocks that span pages, or half a page."""
+    lens = [1, 7, 16, 33, 100]
+    q, kv, tables, ctx = random_case(9, 3, 64, lens, page_size=page_size, num_pages=400 // page_size + 8)
+    out = torch.empty(len(lens), 9, 64, dtype=torch.bfloat16)
+    OPS.paged_decode_attention(out, q, kv, tables, ctx, 0.125)
+    torch.testing.assert_close(out.float(), reference(q, kv, tables, ctx, 0.125), atol=1e-2, rtol=1e-2)
+
+
 def test_reads_only_the_slots_of_its_block_table():
     """Everything but the slots below each row's context length, in its own pages, is NaN: the result is
     unchanged. One NaN inside a row's context changes that row, and only that row."""
