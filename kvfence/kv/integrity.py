@@ -63,25 +63,33 @@ def check_reads(pool: PagePool, read_sets: Sequence[ReadSet]) -> list[Violation]
     """Return at most one violation per request whose block table fails I1; empty when all is well."""
     if not read_sets:
         return []
-    # Flat lists first, then three arrays: a step's few hundred pages cost a handful of numpy calls (about
-    # 10 us for 8 rows of 15 pages), which matters because this runs twice per step.
+    # Flat lists first, then two arrays: a step's few hundred pages cost a handful of numpy calls. This runs twice
+    # per step, the second time right after the forward pass, when every numpy call starts from cold caches
+    # (about 100 us for 8 rows of 15 pages, against 15 us warm), so the common path makes as few as it can:
+    # expected tags are the leases themselves except for the unwritten tails, and the failure path alone
+    # works out which page failed how.
     pages_l: list[int] = []
     leases_l: list[int] = []
-    written_l: list[bool] = []
+    unwritten: list[tuple[int, int]] = []  # [start, end) of each row's pages not written yet
     for rs in read_sets:
         n = len(rs.pages)
         written = max(0, min(pool.pages_for(rs.num_written_tokens), n))  # the first `written` carry its tag
+        if written < n:
+            unwritten.append((len(pages_l) + written, len(pages_l) + n))
         pages_l += rs.pages
         leases_l += rs.leases
-        written_l += [True] * written + [False] * (n - written)
     pages = np.array(pages_l, dtype=np.int64)
     leases = np.array(leases_l, dtype=np.uint64)
-    expected_tag = np.where(np.array(written_l, dtype=np.bool_), leases, np.uint64(NO_TAG))
+    expected_tag = leases
+    if unwritten:
+        expected_tag = leases.copy()
+        for begin, end in unwritten:
+            expected_tag[begin:end] = NO_TAG
     owner = pool.owner[pages]
     tag = pool.tag[pages]
-    bad = (owner != leases) | (tag != expected_tag)
-    if not bad.any():
+    if (owner == leases).all() and (tag == expected_tag).all():
         return []
+    bad = (owner != leases) | (tag != expected_tag)
     violations: dict[int, Violation] = {}
     bad_at = set(np.flatnonzero(bad).tolist())
     start = 0
