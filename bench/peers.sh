@@ -53,11 +53,18 @@ workloads() {  # workloads LABEL [extra bench/serve.py flags]: W1 and W2 against
   done
 }
 
+warmup() {  # one untimed W1 on other prompts than the timed runs (--seed): it warms the server, not its prefix
+  # cache. Until session 6 vLLM's warm-up sent the timed W1's own prompts, so its timed W1 found nearly every
+  # prompt in its prefix cache (hit rate in its log) and computed ~4 tokens of each; kvfence had no warm-up.
+  "$PY" "$ROOT/bench/serve.py" --base-url "http://127.0.0.1:$PORT" --workload W1 --label warmup --seed 7919 \
+    --quiet >/dev/null || true
+}
+
 serve_kvfence() {  # serve_kvfence LABEL [kvfence serve flags]
   local label=$1; shift
   "$ROOT/.venv/bin/kvfence" serve --port "$PORT" --threads "$THREADS" "$@" >"$RESULTS/$label.log" 2>&1 &
   local pid=$!
-  wait_healthy "http://127.0.0.1:$PORT/health" "$pid" 300 && workloads "$label"
+  wait_healthy "http://127.0.0.1:$PORT/health" "$pid" 300 && warmup && workloads "$label"
   stop "$pid"
 }
 
@@ -95,8 +102,7 @@ run_vllm() {  # run_vllm [LABEL]
     >"$RESULTS/vllm.log" 2>&1 &
   local pid=$!
   if wait_healthy "http://127.0.0.1:$PORT/health" "$pid" 600; then
-    "$PY" "$ROOT/bench/serve.py" --base-url "http://127.0.0.1:$PORT" --workload W1 --label warmup \
-      --quiet >/dev/null || true  # its first run is slow
+    warmup  # its first run is slow
     workloads "$label"
   fi
   stop "$pid"
@@ -124,7 +130,7 @@ run_llamacpp() {
   "$PEERS/llama.cpp/build/bin/llama-server" -m "$MODEL" -t "$THREADS" -tb "$THREADS" -np 8 -c 16384 \
     --port "$PORT" --alias smollm2 >"$RESULTS/llamacpp.log" 2>&1 &
   local pid=$!
-  wait_healthy "http://127.0.0.1:$PORT/health" "$pid" 120 && workloads llamacpp-q4_1
+  wait_healthy "http://127.0.0.1:$PORT/health" "$pid" 120 && warmup && workloads llamacpp-q4_1
   stop "$pid"
 }
 

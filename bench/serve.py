@@ -102,7 +102,9 @@ def make_prompt(tokenizer: Tokenizer, words: Sequence[str], rng: random.Random, 
 
 
 def make_prompts(tokenizer: Tokenizer, w: Workload) -> list[tuple[str, int]]:
-    rng = random.Random(w.seed)
+    # seeded by the workload's shape too: W1 and W2 with one --seed must not start with the same words (a
+    # server's prefix cache would then serve part of W2's first prompt from W1's)
+    rng = random.Random(f"{w.seed}/{w.num_requests}/{w.prompt_len}/{w.prompt_len_spread}")
     words = word_list(tokenizer)
     lo = max(1, round(w.prompt_len * (1 - w.prompt_len_spread)))
     hi = max(lo, round(w.prompt_len * (1 + w.prompt_len_spread)))
