@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import mmap
+import os
 import sys
 
 import pytest
@@ -11,7 +13,10 @@ from kvfence.model import hugepages
 from kvfence.model.config import ModelConfig
 from kvfence.model.llama import PagedKV
 
-pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="madvise and /proc/self/smaps are Linux only")
+pytestmark = pytest.mark.skipif(
+    sys.platform != "linux" or not os.path.isdir("/sys/kernel/mm/transparent_hugepage"),
+    reason="needs Linux with transparent huge pages (madvise, /proc/self/smaps)",
+)
 
 
 def advised_for_huge_pages(t: torch.Tensor) -> bool:
@@ -39,6 +44,19 @@ def test_big_buffers_ask_for_huge_pages_and_small_ones_do_not(monkeypatch):
     assert float(big.float().sum()) == 1.5 * big.numel()
     small = hugepages.empty((1024,), torch.float32)
     assert not advised_for_huge_pages(small)
+
+
+def test_a_refused_advice_gives_plain_memory(monkeypatch):
+    """A kernel built without transparent huge pages (or a sandbox) refuses MADV_HUGEPAGE: plain memory then."""
+    monkeypatch.setenv("KVFENCE_HUGEPAGES", "1")
+
+    class Refusing(mmap.mmap):
+        def madvise(self, *args: int) -> None:
+            raise OSError(22, "Invalid argument")
+
+    monkeypatch.setattr(hugepages.mmap, "mmap", Refusing)
+    t = hugepages.empty((hugepages.MIN_BYTES,), torch.uint8)
+    assert t.shape == (hugepages.MIN_BYTES,) and not advised_for_huge_pages(t)
 
 
 def test_switched_off_gives_plain_memory(monkeypatch):

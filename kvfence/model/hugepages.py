@@ -7,7 +7,8 @@ them (`madvise` mode), so these buffers ask: an anonymous private mapping with M
 advice, so that the kernel backs each aligned 2 MiB of it with one page. Measured on this machine
 (docs/performance.md): decode attention over 8 rows, 349 against 450 us per layer with the same kernel.
 
-`KVFENCE_HUGEPAGES=0` turns this off (plain `torch.empty`); so does a platform without MADV_HUGEPAGE. Small
+`KVFENCE_HUGEPAGES=0` turns this off (plain `torch.empty`); so does a platform or kernel without
+MADV_HUGEPAGE. Small
 buffers are never worth a mapping of their own. The memory counts in RSS like any other.
 """
 
@@ -33,9 +34,10 @@ def empty(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
     """An uninitialized CPU tensor; from a huge-page mapping when it is big enough and huge pages are on. Its
     memory is not touched yet, so the first write (which should follow soon) decides the page size."""
     nbytes = math.prod(shape) * dtype.itemsize
-    if not enabled() or nbytes < MIN_BYTES:
+    mapped = _mapping(nbytes) if enabled() and nbytes >= MIN_BYTES else None
+    if mapped is None:
         return torch.empty(*shape, dtype=dtype)
-    return _mapping(nbytes)[:nbytes].view(dtype).view(*shape)
+    return mapped.view(dtype).view(*shape)
 
 
 def pack(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -55,12 +57,17 @@ def pack(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     return out
 
 
-def _mapping(nbytes: int) -> torch.Tensor:
-    """A private anonymous mapping of at least `nbytes` advised for huge pages, as a uint8 tensor that keeps it
-    alive. Its start is only 4 KiB-aligned: the tensor begins at the first 2 MiB boundary inside it."""
+def _mapping(nbytes: int) -> torch.Tensor | None:
+    """`nbytes` of a private anonymous mapping advised for huge pages, as a uint8 tensor that keeps it alive;
+    None where the running kernel refuses the advice (built without transparent huge pages, or a sandbox).
+    The mapping's start is only 4 KiB-aligned: the tensor begins at the first 2 MiB boundary inside it."""
     flags = mmap.MAP_PRIVATE | getattr(mmap, "MAP_ANONYMOUS", 0)
     buf = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=flags)
-    buf.madvise(mmap.MADV_HUGEPAGE)
+    try:
+        buf.madvise(mmap.MADV_HUGEPAGE)
+    except OSError:
+        buf.close()
+        return None
     whole = torch.frombuffer(buf, dtype=torch.uint8)
     skip = -whole.data_ptr() % HUGE_PAGE
     return whole[skip : skip + nbytes]
