@@ -54,8 +54,8 @@ workloads() {  # workloads LABEL [extra bench/serve.py flags]: W1 and W2 against
 }
 
 warmup() {  # one untimed W1 on other prompts than the timed runs (--seed): it warms the server, not its prefix
-  # cache. Until session 6 vLLM's warm-up sent the timed W1's own prompts, so its timed W1 found nearly every
-  # prompt in its prefix cache (hit rate in its log) and computed ~4 tokens of each; kvfence had no warm-up.
+  # cache. Until session 6 vLLM's warm-up sent the timed W1's own prompts, so its timed W1 found the first 128
+  # tokens of each in its prefix cache (hit rate in its log) and computed only the rest; kvfence had no warm-up.
   "$PY" "$ROOT/bench/serve.py" --base-url "http://127.0.0.1:$PORT" --workload W1 --label warmup --seed 7919 \
     --quiet >/dev/null || true
 }
