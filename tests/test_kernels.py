@@ -261,3 +261,34 @@ def test_mixed_step_with_ragged_decodes_agrees_with_the_torch_path(tmp_path):
         chosen_t, top_t = without[rid]
         assert abs(chosen_k - chosen_t) < 0.1
         assert [t for t, _ in top_k[:1]] == [t for t, _ in top_t[:1]]
+
+
+def test_kernels_release_the_gil():
+    """A kernel call lets other Python threads run (the server's event loop shares the process with steps).
+    With a switch interval longer than the whole test, the worker thread would keep the GIL from the moment it
+    signals until it ends if the kernels held it; the main thread then never sees it alive."""
+    import sys
+    import threading
+
+    threads, interval = torch.get_num_threads(), sys.getswitchinterval()
+    torch.set_num_threads(1)
+    q, kv, tables, ctx = random_case(9, 3, 64, [230] * 64, num_pages=1200)
+    out = torch.empty(64, 9, 64, dtype=torch.bfloat16)
+    started, seen_alive = threading.Event(), []
+
+    def work():
+        started.set()
+        for _ in range(20):
+            OPS.paged_decode_attention(out, q, kv, tables, ctx, 0.125)
+
+    worker = threading.Thread(target=work)
+    sys.setswitchinterval(30.0)
+    try:
+        worker.start()
+        started.wait()
+        seen_alive.append(worker.is_alive())  # runs only once the worker lets go of the GIL
+        worker.join()
+    finally:
+        sys.setswitchinterval(interval)
+        torch.set_num_threads(threads)
+    assert seen_alive == [True]
