@@ -4,8 +4,10 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
+from collections.abc import MutableMapping
 from typing import TYPE_CHECKING
 
 from kvfence.faults import Faults
@@ -186,9 +188,22 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# oneDNN keeps every primitive it creates, up to 1,024 by default: one set per linear layer shape for each
+# distinct prefill token count, about 45 MB after two W1 runs. 64 cost no measurable throughput on W1
+# (docs/performance.md, session 6). Read by oneDNN when it first needs its cache; a value already in the
+# environment wins. PD workers inherit it from `serve --mode pd`.
+ONEDNN_CACHE_ENTRIES = "64"
+
+
+def process_defaults(environ: MutableMapping[str, str]) -> None:
+    """Environment defaults for every kvfence process, applied before anything loads."""
+    environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", ONEDNN_CACHE_ENTRIES)
+
+
 def main(argv: list[str] | None = None) -> int:
     import logging
 
+    process_defaults(os.environ)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     args = build_parser().parse_args(argv)
     return int(args.func(args))

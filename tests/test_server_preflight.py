@@ -190,3 +190,14 @@ def test_dtype_auto_is_bfloat16_where_the_cpu_has_bfloat16_dot_products():
     assert resolve_dtype("float16", "cpu") == "float16" and resolve_dtype("float32", "cuda") == "float32"
     args = build_parser().parse_args(["generate", "--prompt", "x"])
     assert args.dtype == "auto" and engine_config_from_args(args).dtype == resolve_dtype("auto", "cpu")
+
+
+def test_every_process_caps_onednn_primitive_cache_unless_told_otherwise():
+    from kvfence.cli import ONEDNN_CACHE_ENTRIES, process_defaults
+
+    environ: dict[str, str] = {}
+    process_defaults(environ)
+    assert environ == {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": ONEDNN_CACHE_ENTRIES}
+    environ = {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "1024"}
+    process_defaults(environ)
+    assert environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == "1024"
