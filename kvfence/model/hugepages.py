@@ -8,8 +8,7 @@ advice, so that the kernel backs each aligned 2 MiB of it with one page. Measure
 (docs/performance.md): decode attention over 8 rows, 349 against 450 us per layer with the same kernel.
 
 `KVFENCE_HUGEPAGES=0` turns this off (plain `torch.empty`); so does a platform or kernel without
-MADV_HUGEPAGE. Small
-buffers are never worth a mapping of their own. The memory counts in RSS like any other.
+MADV_HUGEPAGE. Small buffers are never worth a mapping of their own. The memory counts in RSS like any other.
 """
 
 from __future__ import annotations
