@@ -25,6 +25,7 @@ counts, last page first, so the LRU evicts a sequence's tail before its head.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Collection
 from dataclasses import dataclass
 
 from kvfence.engine.plan import Plan, PlanRow
@@ -79,11 +80,16 @@ class Scheduler:
 
     # ---- scheduling -------------------------------------------------------------------------------------
 
-    def schedule(self) -> list[Scheduled]:
+    def schedule(self, in_flight: Collection[Request] = (), decode_only: bool = False) -> list[Scheduled]:
+        """The next step. `in_flight`: running requests whose prefill is still running on the prefill lane
+        (kvfence/engine/lane.py): neither scheduled nor preempted until it lands. `decode_only`: decode rows
+        only; no prefill chunk runs and no waiting request starts."""
         budget = self.config.max_num_batched_tokens
         scheduled: list[Scheduled] = []
         preempted = False
-        queue = list(self.running)
+        queue = [r for r in self.running if r not in in_flight]
+        if decode_only:
+            queue = [r for r in queue if r.num_tokens - r.num_computed_tokens == 1]
         while queue and budget > 0:
             request = queue.pop(0)
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
@@ -98,7 +104,13 @@ class Scheduler:
                 budget -= num_new
         cap = self.config.prefill_batch_tokens
         prefill = sum(s.num_new_tokens for s in scheduled if s.num_new_tokens > 1)  # running prefills' chunks
-        while self.waiting and budget > 0 and not preempted and len(self.running) < self.config.max_num_seqs:
+        while (
+            not decode_only
+            and self.waiting
+            and budget > 0
+            and not preempted
+            and len(self.running) < self.config.max_num_seqs
+        ):
             request = self.waiting[0]
             if cap and prefill and prefill + min(request.num_tokens, budget) > cap:
                 break  # this step is full of prefill already; this one goes first in the next step
