@@ -289,8 +289,7 @@ class LLMEngine:
         if self._lane_step is not None and self.lane is not None and self.lane.done():
             outputs += self._land()
         overlapping = self._lane_step is not None
-        in_flight = self._lane_step[1] if self._lane_step is not None else ()
-        scheduled = self.scheduler.schedule([s.request for s in in_flight], decode_only=overlapping)
+        scheduled = self.scheduler.schedule(decode_only=overlapping)
         if scheduled:
             scheduled, failed = self._verify(scheduled, after_step=False)
             outputs += failed

@@ -25,7 +25,6 @@ counts, last page first, so the LRU evicts a sequence's tail before its head.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Collection
 from dataclasses import dataclass
 
 from kvfence.engine.plan import Plan, PlanRow
@@ -80,14 +79,15 @@ class Scheduler:
 
     # ---- scheduling -------------------------------------------------------------------------------------
 
-    def schedule(self, in_flight: Collection[Request] = (), decode_only: bool = False) -> list[Scheduled]:
-        """The next step. `in_flight`: running requests whose prefill is still running on the prefill lane
-        (kvfence/engine/lane.py): neither scheduled nor preempted until it lands. `decode_only`: decode rows
-        only; no prefill chunk runs and no waiting request starts."""
+    def schedule(self, decode_only: bool = False) -> list[Scheduled]:
+        """The next step. `decode_only` (while a prefill runs on the prefill lane, kvfence/engine/lane.py):
+        running requests with exactly one token to compute, and nothing else: no prefill chunk, no waiting
+        request. A request on the lane has more than one token left until it lands, so it is neither
+        scheduled nor preempted meanwhile."""
         budget = self.config.max_num_batched_tokens
         scheduled: list[Scheduled] = []
         preempted = False
-        queue = [r for r in self.running if r not in in_flight]
+        queue = list(self.running)
         if decode_only:
             queue = [r for r in queue if r.num_tokens - r.num_computed_tokens == 1]
         while queue and budget > 0:
