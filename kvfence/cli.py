@@ -39,7 +39,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
     p.add_argument(
         "--decode-threads", type=int, default=None,
-        help="torch threads for steps without prefill tokens (default: --threads, one less in `serve`)",
+        help="torch threads for steps without prefill tokens (default: --threads)",
     )  # fmt: skip
     p.add_argument(
         "--overlap-prefill", action=argparse.BooleanOptionalAction, default=None,

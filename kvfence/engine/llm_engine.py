@@ -19,8 +19,9 @@ import sys
 import threading
 import time
 from collections import Counter, deque
-from collections.abc import Collection, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import numpy as np
 import torch
@@ -46,6 +47,7 @@ from kvfence.model.loader import LoadedModel, load_model
 log = logging.getLogger("kvfence.engine")
 integrity_log = logging.getLogger("kvfence.integrity")
 RECENT_FAILURES = 32  # integrity failures kept for the KV page map (kvfence/dashboard)
+T = TypeVar("T")
 CANARY_PAGES = 4  # cached pages whose digests one canary check re-verifies
 _HELD_BY_OTHERS = (PageState.LEASED, PageState.SEALED)  # a released page in these states was leased again
 
@@ -584,6 +586,33 @@ def _step_threads(config: EngineConfig) -> tuple[int, int] | None:
     if config.decode_threads is None:
         return None
     return (config.num_threads or torch.get_num_threads(), config.decode_threads)
+
+
+def on_passing_thread(fn: Callable[[], T]) -> T:
+    """Run `fn` on a thread that ends when it returns, and return its result (or raise its exception).
+
+    For torch work done before an engine is stepped on another thread (model loading, engine construction):
+    a thread that runs an OpenMP parallel region keeps a pool of OpenMP workers for as long as it lives, and
+    libgomp stops letting workers spin between regions once it manages more threads than there are CPUs. With
+    the main thread's pool alive, every parallel region of the engine thread then puts its worker to sleep and
+    wakes it again: on 2 cores, 230 context switches and twice the time per decode step with 2 threads
+    (docs/performance.md, session 7). A pool dies with its thread, so loading here leaves the engine thread's
+    pool the only one."""
+    box: list[T] = []
+    failure: list[BaseException] = []
+
+    def target() -> None:
+        try:
+            box.append(fn())
+        except BaseException as exc:
+            failure.append(exc)
+
+    thread = threading.Thread(target=target, name="kvfence-load")
+    thread.start()
+    thread.join()
+    if failure:
+        raise failure[0]
+    return box[0]
 
 
 def return_freed_memory() -> None:

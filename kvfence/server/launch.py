@@ -7,6 +7,7 @@ before the engine allocates its KV pool, so a refused configuration never alloca
 from __future__ import annotations
 
 import argparse
+import functools
 import ipaddress
 import logging
 import os
@@ -92,37 +93,11 @@ def cmd_preflight(args: argparse.Namespace) -> int:
     return 0 if report.can_start else 1
 
 
-def serving_decode_threads(
-    threads: int | None, dtype: str, device: str, head_dim: int, quantized: bool = False
-) -> int:
-    """Colocated serving: how many threads decode-only steps get.
-
-    - Torch path: one core is left to the HTTP event loop in the same process. With every core in the step, the
-      OpenMP workers of each of its ~2,000 small operators wait on whichever one the event loop preempted
-      (measured on 2 cores: W1 154 against 134 tok/s).
-    - C++ kernels on bfloat16 weights: a layer is a few large operators and decode gains from every core (W1 over
-      HTTP: 2 threads faster than 1, docs/performance.md).
-    - C++ kernels on the GGUF's Q4_1 blocks (`quantized`): a decode step reads a third of the bytes and one
-      thread keeps up; the spare core goes to the event loop again (2 cores: W2 13.8 against 18.0 ms per token,
-      W1 168 against 128-158 tok/s)."""
-    import torch
-
-    from kvfence.model import kernels
-
-    n = threads or torch.get_num_threads()
-    kernel_path = (
-        dtype == "bfloat16" and device == "cpu" and kernels.supports(head_dim) and kernels.ops() is not None
-    )
-    if kernel_path and not (quantized and kernels.quant_enabled()):
-        return n
-    return max(1, n - 1)
-
-
 def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from kvfence.cli import engine_config_from_args
-    from kvfence.engine.llm_engine import LLMEngine, return_freed_memory
+    from kvfence.engine.llm_engine import LLMEngine, on_passing_thread, return_freed_memory
     from kvfence.server.app import build_app
     from kvfence.server.async_engine import AsyncEngine
     from kvfence.server.auth import load_api_keys
@@ -139,7 +114,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     config = engine_config_from_args(args)
     try:
         keys = load_api_keys(args.api_keys) if args.api_keys else None
-        report, loaded = run_preflight(config, args)
+        report, loaded = on_passing_thread(lambda: run_preflight(config, args))  # not on main: OpenMP pools
     except (OSError, ValueError) as e:
         print(f"kvfence serve: {e}", file=sys.stderr)
         return 2
@@ -147,21 +122,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return 1
     if report.verdict is Verdict.CLAMPED:
         config = replace(config, context_length=report.context_length)
-    if config.decode_threads is None:  # the HTTP loop shares this process
-        config = replace(
-            config,
-            decode_threads=serving_decode_threads(
-                config.num_threads,
-                config.dtype,
-                config.device,
-                loaded.config.head_dim,
-                quantized=any(b.kind == "Q4_1" for b in loaded.quantized.values()),
-            ),
-        )
     if keys is None and not _is_loopback(args.host):
         log.warning("serving on %s without --api-keys: every client is the anonymous tenant", args.host)
     metrics = ServerMetrics()
-    llm = LLMEngine(config, loaded)
+    llm = on_passing_thread(functools.partial(LLMEngine, config, loaded))  # the engine thread steps it
     del loaded
     return_freed_memory()
     engine = AsyncEngine(llm, max_queue=args.max_queue, observer=metrics)
