@@ -42,11 +42,6 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         help="torch threads for steps without prefill tokens (default: --threads)",
     )  # fmt: skip
     p.add_argument(
-        "--overlap-prefill", action=argparse.BooleanOptionalAction, default=None,
-        help="run prefill chunks on a second thread while decode steps go on (default: on in colocated `serve` "
-        "with 2 or more threads)",
-    )  # fmt: skip
-    p.add_argument(
         "--no-integrity-checks",
         action="store_true",
         help="debug/benchmark only: skip I1 checks and tag stamping",
@@ -90,7 +85,6 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         integrity_checks=not args.no_integrity_checks,
         num_threads=args.threads,
         decode_threads=args.decode_threads,
-        overlap_prefill=bool(args.overlap_prefill),
         enable_prefix_cache=args.enable_prefix_cache,
         kv_canary_interval=args.kv_canary_interval,
         faults=Faults.from_env(),

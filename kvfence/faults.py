@@ -35,10 +35,6 @@ class Faults:
     # PD prefill worker: the process exits abruptly after sending its first page frame (kill -9 mid-transfer).
     die_mid_transfer: int = 0
 
-    # Colocated overlap: the next prefill launched on the prefill lane holds none of its pages, so an abort while
-    # it runs frees pages it still writes (late writes after an abort landing in recycled pages).
-    unfenced_lane: int = 0
-
     # Prefix cache: the next request's cache keys leave out its tenant, so its pages are shared with every tenant
     # (the historical cross-tenant prefix-cache bug, a time-to-first-token side channel and a KV leak).
     shared_prefix_cache: int = 0

@@ -47,9 +47,6 @@ class EngineConfig:
     # torch threads for steps with no prefill token (None: num_threads). Decode steps are many small operators
     # over weights read from memory: on a machine where the HTTP loop shares the cores, fewer threads can win.
     decode_threads: int | None = None
-    # colocated overlap: a step's prefill chunks run on a second thread (the prefill lane, one torch thread)
-    # while decode-only steps go on here with one thread (kvfence/engine/lane.py)
-    overlap_prefill: bool = False
     seed: int = 0
     lease_prefix: int | None = None
     faults: Faults | None = None

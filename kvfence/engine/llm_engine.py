@@ -19,7 +19,7 @@ import sys
 import threading
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
 
@@ -30,7 +30,6 @@ from kvfence import trace
 from kvfence.engine.admission import Limits, admit
 from kvfence.engine.config import EngineConfig
 from kvfence.engine.errors import DuplicateRequestId, InvalidSamplingParams
-from kvfence.engine.lane import Lane, ThreadLane
 from kvfence.engine.model_runner import ModelRunner
 from kvfence.engine.output import OutputProcessor, RequestOutput
 from kvfence.engine.plan import Plan, StepResult
@@ -49,7 +48,6 @@ integrity_log = logging.getLogger("kvfence.integrity")
 RECENT_FAILURES = 32  # integrity failures kept for the KV page map (kvfence/dashboard)
 T = TypeVar("T")
 CANARY_PAGES = 4  # cached pages whose digests one canary check re-verifies
-_HELD_BY_OTHERS = (PageState.LEASED, PageState.SEALED)  # a released page in these states was leased again
 
 
 @dataclass
@@ -72,15 +70,10 @@ class EngineStats:
 
 class LLMEngine:
     def __init__(
-        self,
-        config: EngineConfig,
-        loaded: LoadedModel | None = None,
-        runner: ModelRunner | None = None,
-        lane: Lane | None = None,
+        self, config: EngineConfig, loaded: LoadedModel | None = None, runner: ModelRunner | None = None
     ) -> None:
         """`runner`: a stand-in for the model runner (the simulator's, kvfence/sim); `loaded` then only needs
-        the model config and tokenizer. `lane`: the prefill lane (with `config.overlap_prefill`; default a
-        `ThreadLane` over the runner with one torch thread)."""
+        the model config and tokenizer."""
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.config = config
@@ -110,11 +103,6 @@ class LLMEngine:
                 threads=_step_threads(config),
             )
         self.runner = runner
-        if config.overlap_prefill and lane is None:
-            lane = ThreadLane(runner, threads=1)
-        self.lane = lane if config.overlap_prefill else None
-        self._lane_step: tuple[Plan, list[Scheduled]] | None = None  # the plan on the lane, and its requests
-        self._held: dict[int, list[PageId]] = {}  # step number -> the pages it holds until it completes
         self.prefix_cache = (
             PrefixCache(self.pool, self.runner.page_digests, self.faults)
             if config.enable_prefix_cache
@@ -288,60 +276,26 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         outputs = self._drain_inbox()
-        if self._lane_step is not None and self.lane is not None and self.lane.done():
-            outputs += self._land()
-        overlapping = self._lane_step is not None
-        scheduled = self.scheduler.schedule(decode_only=overlapping)
-        if scheduled:
-            scheduled, failed = self._verify(scheduled, after_step=False)
-            outputs += failed
-            scheduled, failed = self._check_writes(scheduled)
-            outputs += failed
-        if scheduled and self.lane is not None and not overlapping:
-            scheduled = self._maybe_launch(scheduled)
-        if scheduled:
-            outputs += self._run(scheduled, threads=1 if self._lane_step is not None else None)
-        elif self._lane_step is not None:
-            outputs += self._land()  # nothing to run beside the lane: wait for it
-        self.stats.preemptions = self.scheduler.num_preemptions
-        return outputs
-
-    def _run(self, scheduled: list[Scheduled], threads: int | None) -> list[RequestOutput]:
-        """One step on the engine thread: hold its pages, run, then `_complete`."""
-        plan = self._plan(scheduled)
-        try:
-            result: StepResult | Exception = self.runner.run(plan, threads)
-        except Exception as exc:
-            result = exc
-        return self._complete(plan, scheduled, result)
-
-    def _plan(self, scheduled: list[Scheduled], fenced: bool = True) -> Plan:
-        """The step's plan; its pages are held until `_complete` (I4: nothing released meanwhile is reused).
-        `fenced=False` (fault knob `unfenced_lane` only): nothing is held."""
+        scheduled = self.scheduler.schedule()
+        if not scheduled:
+            return outputs
+        scheduled, failed = self._verify(scheduled, after_step=False)
+        outputs += failed
+        scheduled, failed = self._check_writes(scheduled)
+        outputs += failed
+        if not scheduled:
+            return outputs
         self._step_no += 1
         plan = Scheduler.build_plan(scheduled, self._step_no)
-        self._held[plan.step] = plan.all_pages if fenced else []
-        self.pool.hold(self._held[plan.step])
+        held = plan.all_pages
+        self.pool.hold(held)
         if trace.enabled:  # what each row reads: its block table, the first pages its own writes
             for row in plan.rows:
                 trace.emit("read", request_id=row.request_id, pages=[int(p) for p in row.pages],
                            leases=[int(x) for x in row.leases], written=self.pool.pages_for(row.start_pos))  # fmt: skip
-        return plan
-
-    def _complete(
-        self, plan: Plan, scheduled: list[Scheduled], result: StepResult | Exception
-    ) -> list[RequestOutput]:
-        """After a forward pass: stamp what it wrote, check again (I1), postprocess, and drop the step's holds.
-        A request that ended while its step ran (aborted or failed meanwhile, only possible on the prefill
-        lane) is left out of everything after the stamps: its pages were released, and stay quarantined until
-        the unhold here (I4)."""
-        outputs: list[RequestOutput] = []
         try:
-            if isinstance(result, Exception):
-                raise result
-            ended = {s.request.request_id for s in scheduled if s.request.state is not RequestState.RUNNING}
-            self._stamp(plan, result, ended)
-            scheduled = [s for s in scheduled if s.request.request_id not in ended]
+            result = self.runner.run(plan)
+            self._stamp(plan, result)
             scheduled, failed = self._verify(scheduled, after_step=True)
             outputs += failed
         except Exception:
@@ -352,7 +306,7 @@ class LLMEngine:
                 self._fail(s.request, "internal_error") for s in scheduled if not s.request.state.terminal
             ]
         finally:
-            self.pool.unhold(self._held.pop(plan.step))
+            self.pool.unhold(held)
         self.stats.steps += 1
         self.stats.tokens_computed += plan.num_tokens
         self.scheduler.postprocess(scheduled, result.sampled)
@@ -360,40 +314,8 @@ class LLMEngine:
             outputs.append(out)
             if out.finished:
                 self._end(self._requests[out.request_id])
+        self.stats.preemptions = self.scheduler.num_preemptions
         return outputs + self._canary()
-
-    # ---- overlap: the prefill lane (kvfence/engine/lane.py) ------------------------------------------------
-    #
-    # With a lane, a step that has both prefill chunks and decode rows splits: the prefill chunks go to the
-    # lane (their pages held, I1 checked, exactly as for a step on this thread) and the decode rows run here,
-    # on one thread each side. While the lane runs, steps here take decode rows only, and never the lane's
-    # requests; its result lands between two steps (`_land`), through the same `_complete`. An abort or a
-    # failure meanwhile ends the request at once; its pages stay quarantined under the lane's hold until the
-    # lane lands, so nothing the lane still writes can reach a page someone else leases (I4).
-
-    def _maybe_launch(self, scheduled: list[Scheduled]) -> list[Scheduled]:
-        """Launch the prefill chunks of `scheduled` on the lane if there are decode rows to overlap with them;
-        return what is left to run on this thread."""
-        assert self.lane is not None
-        prefills = [s for s in scheduled if s.num_new_tokens > 1]
-        decodes = [s for s in scheduled if s.num_new_tokens == 1]
-        if not prefills or not decodes:
-            return scheduled  # alone, a step is faster on all the threads
-        plan = self._plan(prefills, fenced=not self.faults.fire("unfenced_lane"))
-        self._lane_step = (plan, prefills)
-        self.lane.launch(plan)
-        return decodes
-
-    def _land(self) -> list[RequestOutput]:
-        """Wait for the lane's plan (if it is still running) and complete it."""
-        assert self.lane is not None and self._lane_step is not None
-        plan, scheduled = self._lane_step
-        try:
-            result: StepResult | Exception = self.lane.land()
-        except Exception as exc:
-            result = exc
-        self._lane_step = None
-        return self._complete(plan, scheduled, result)
 
     def _drain_inbox(self) -> list[RequestOutput]:
         with self._lock:  # adds move to the scheduler under the lock so has_unfinished() never misses them
@@ -413,22 +335,12 @@ class LLMEngine:
             self._end(target)
         return outputs
 
-    def _stamp(self, plan: Plan, result: StepResult, ended: Collection[RequestId] = ()) -> None:
+    def _stamp(self, plan: Plan, result: StepResult) -> None:
         """Tag every page the runner reports it wrote with the writer's lease (from the write path, I1).
-        Stamping is part of writing and always happens; only the checks can be switched off.
-
-        `ended`: writers that ended while the step ran (prefill lane). Their pages that are still quarantined
-        are fenced (I4): the late write is harmless and the page is freed at the unhold. A page of theirs that
-        someone else leases (or shares) by now lost its fence (fault knob `unfenced_lane`): it takes the late
-        writer's tag, so its holder fails its next I1 check instead of reading the late writer's K/V. (A free
-        page is tagged afresh when leased, and its next owner writes before it reads.)"""
+        Stamping is part of writing and always happens; only the checks can be switched off."""
         t0 = time.perf_counter()
         for row, indices in zip(plan.rows, result.written, strict=True):
-            pages, leases = [row.pages[i] for i in indices], [row.leases[i] for i in indices]
-            if row.request_id in ended:
-                unfenced = [k for k, p in enumerate(pages) if self.pool.state[p] in _HELD_BY_OTHERS]
-                pages, leases = [pages[k] for k in unfenced], [leases[k] for k in unfenced]
-            self.pool.stamp(pages, leases)
+            self.pool.stamp([row.pages[i] for i in indices], [row.leases[i] for i in indices])
         self.stats.stamp_seconds += time.perf_counter() - t0
 
     def _verify(

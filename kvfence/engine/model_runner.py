@@ -49,16 +49,12 @@ class ModelRunner:
         prefix-cache pages (kv/prefix_cache.py)."""
         return [self.cache.page_digest(page) for page in pages]
 
-    def run(self, plan: Plan, threads: int | None = None) -> StepResult:
-        """One forward step. `threads`: torch threads for this step (the prefill lane's, or the engine's while
-        the lane runs); None picks from `self.threads` by the kind of step. Two threads may run plans at once
-        (the engine thread and the prefill lane, kvfence/engine/lane.py): their pages are disjoint, and nothing
-        here is shared but the KV tensors and the sampler's generator (which locks)."""
+    def run(self, plan: Plan) -> StepResult:
         token_ids, meta, written = self._prepare(plan)
-        if threads is None and self.threads is not None:
-            threads = self.threads[0] if meta.prefills else self.threads[1]
-        if threads is not None and torch.get_num_threads() != threads:
-            torch.set_num_threads(threads)  # per thread in OpenMP: set here, on the thread that steps
+        if self.threads is not None:
+            want = self.threads[0] if meta.prefills else self.threads[1]
+            if torch.get_num_threads() != want:  # per thread in OpenMP: set here, on the thread that steps
+                torch.set_num_threads(want)
         logits = self.model(token_ids, meta, self.cache)  # [N, V]
         sample_rows = [row for row in plan.rows if row.sample]
         if not sample_rows:

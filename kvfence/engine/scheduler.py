@@ -79,17 +79,11 @@ class Scheduler:
 
     # ---- scheduling -------------------------------------------------------------------------------------
 
-    def schedule(self, decode_only: bool = False) -> list[Scheduled]:
-        """The next step. `decode_only` (while a prefill runs on the prefill lane, kvfence/engine/lane.py):
-        running requests with exactly one token to compute, and nothing else: no prefill chunk, no waiting
-        request. A request on the lane has more than one token left until it lands, so it is neither
-        scheduled nor preempted meanwhile."""
+    def schedule(self) -> list[Scheduled]:
         budget = self.config.max_num_batched_tokens
         scheduled: list[Scheduled] = []
         preempted = False
         queue = list(self.running)
-        if decode_only:
-            queue = [r for r in queue if r.num_tokens - r.num_computed_tokens == 1]
         while queue and budget > 0:
             request = queue.pop(0)
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
@@ -104,13 +98,7 @@ class Scheduler:
                 budget -= num_new
         cap = self.config.prefill_batch_tokens
         prefill = sum(s.num_new_tokens for s in scheduled if s.num_new_tokens > 1)  # running prefills' chunks
-        while (
-            not decode_only
-            and self.waiting
-            and budget > 0
-            and not preempted
-            and len(self.running) < self.config.max_num_seqs
-        ):
+        while self.waiting and budget > 0 and not preempted and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
             if cap and prefill and prefill + min(request.num_tokens, budget) > cap:
                 break  # this step is full of prefill already; this one goes first in the next step

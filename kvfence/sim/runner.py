@@ -90,7 +90,7 @@ class ProvenanceRunner:
     def page_digests(self, pages: Sequence[PageId]) -> list[int]:
         return [self.cache.page_digest(p) for p in pages]
 
-    def run(self, plan: Plan, threads: int | None = None) -> StepResult:
+    def run(self, plan: Plan) -> StepResult:
         S, kv = self.page_size, self.cache.data
         sampled: dict[RequestId, int] = {}
         written: list[tuple[int, ...]] = []
