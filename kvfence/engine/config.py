@@ -44,8 +44,8 @@ class EngineConfig:
         True  # I1 checks before/after every step and tag stamping; off only to measure cost
     )
     num_threads: int | None = None
-    # torch threads for steps with no prefill token (None: num_threads). Decode steps are many small operators
-    # over weights read from memory: on a machine where the HTTP loop shares the cores, fewer threads can win.
+    # torch threads for steps with no prefill token (None: num_threads). Stepping on another thread than the one
+    # that loaded the model? Load with `on_passing_thread` (llm_engine.py), or OpenMP workers sleep per operator.
     decode_threads: int | None = None
     seed: int = 0
     lease_prefix: int | None = None
