@@ -22,7 +22,7 @@ from pathlib import Path
 import httpx
 
 from kvfence.engine.config import EngineConfig
-from kvfence.engine.llm_engine import LLMEngine
+from kvfence.engine.llm_engine import LLMEngine, on_passing_thread
 from kvfence.engine.request import SamplingParams
 from kvfence.model.fetch import DEFAULT_MODEL_PATH
 from kvfence.server.app import build_app
@@ -63,7 +63,7 @@ def main() -> None:
         model=args.model, kv_pages=args.kv_pages, page_size=args.page_size, max_num_seqs=args.requests,
         max_num_batched_tokens=4096, num_threads=args.threads,
     )  # fmt: skip
-    engine = AsyncEngine(LLMEngine(config))
+    engine = AsyncEngine(on_passing_thread(lambda: LLMEngine(config)))  # stepped on the engine thread
     settings = ServerSettings(Path(args.model).stem, admin_key=ADMIN)
     headers = {"Authorization": f"Bearer {ADMIN}"}
     with serve_in_thread(build_app(engine, settings)) as url, httpx.Client(base_url=url, timeout=600) as http:

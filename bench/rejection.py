@@ -22,7 +22,7 @@ from typing import Any
 import httpx
 
 from kvfence.engine.config import EngineConfig
-from kvfence.engine.llm_engine import LLMEngine
+from kvfence.engine.llm_engine import LLMEngine, on_passing_thread
 from kvfence.model.fetch import DEFAULT_MODEL_PATH
 from kvfence.server.app import build_app
 from kvfence.server.async_engine import AsyncEngine
@@ -72,11 +72,10 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None)
     args = ap.parse_args()
 
-    engine = LLMEngine(
-        EngineConfig(
-            model=args.model, kv_pages=args.kv_pages, page_size=args.page_size, num_threads=args.threads
-        )
+    config = EngineConfig(
+        model=args.model, kv_pages=args.kv_pages, page_size=args.page_size, num_threads=args.threads
     )
+    engine = on_passing_thread(lambda: LLMEngine(config))  # stepped on the engine thread (docs/server.md)
     ctx = engine.limits.context_length
     allocated = count_allocations(engine)
     text = "hello world " * ctx  # about 2 tokens per repetition: twice the context

@@ -519,12 +519,12 @@ def on_passing_thread(fn: Callable[[], T]) -> T:
         except BaseException as exc:
             failure.append(exc)
 
-    thread = threading.Thread(target=target, name="kvfence-load")
+    thread = threading.Thread(target=target, name="kvfence-load", daemon=True)  # Ctrl-C does not wait for it
     thread.start()
     thread.join()
     if failure:
-        raise failure[0]
-    return box[0]
+        raise failure.pop()  # not failure[0]: the traceback would keep this frame, and `fn`'s, alive in a cycle
+    return box.pop()
 
 
 def return_freed_memory() -> None:
