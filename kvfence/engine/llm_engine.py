@@ -43,10 +43,10 @@ from kvfence.kv.prefix_cache import PrefixCache
 from kvfence.model.llama import LlamaForCausalLM
 from kvfence.model.loader import LoadedModel, load_model
 
+T = TypeVar("T")
 log = logging.getLogger("kvfence.engine")
 integrity_log = logging.getLogger("kvfence.integrity")
 RECENT_FAILURES = 32  # integrity failures kept for the KV page map (kvfence/dashboard)
-T = TypeVar("T")
 CANARY_PAGES = 4  # cached pages whose digests one canary check re-verifies
 
 
