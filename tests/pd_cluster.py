@@ -18,6 +18,7 @@ import httpx
 import pytest
 
 from kvfence.engine.request import SamplingParams
+from kvfence.pd import cores
 from kvfence.pd.router import Router
 from kvfence.pd.serve import reap
 from tests.conftest import make_engine, run_all
@@ -40,13 +41,17 @@ def start_cluster(
     bind: str = "tcp://127.0.0.1:0",
     prefill_data: str | None = None,
     env: dict[str, str] | None = None,
+    share_cores: Path | None = None,
 ) -> Iterator[Router]:
-    """`netns_prefill`: a command prefix (ip netns exec NS) to run the prefill workers on another host."""
+    """`netns_prefill`: a command prefix (ip netns exec NS) to run the prefill workers on another host.
+    `share_cores`: a file for kvfence/pd/cores.py; the workers then step on 2 threads while alone."""
     router = Router(bind=bind, dead_after_s=dead_after_s)
     # float32, as the colocated references the tests compare with (the CLI's default, auto, is bfloat16 here)
     common = ["--model", str(tiny_dir), "--router", router.addr, "--threads", "1", "--page-size", "4",
               "--dtype", "float32", "--transfer-timeout", str(transfer_timeout_s)]  # fmt: skip
     common += [] if checks else ["--no-integrity-checks"]
+    if share_cores is not None:
+        common += ["--share-cores", str(cores.create(share_cores)), "--max-threads", "2"]
     env = {**os.environ, **(env or {}), "KVFENCE_FAULTS": prefill_faults, "KVFENCE_FAULT_ARMING": "1"}
     worker = [sys.executable, "-m", "kvfence.pd.cli"]
     prefill = [*netns_prefill, *worker, "prefill", *common, "--kv-pages", str(prefill_pages),

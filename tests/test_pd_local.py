@@ -144,11 +144,14 @@ def late_write_scenario(model, rx_checks: bool, engine_checks: bool):
     rx.revoke(TransferId(1), "timeout")  # ...when decode gives up on A
     decode.fail_transfer("A", "transfer_timeout")
     decode.expect_transfer(b, params, "B")
+    # waiting on frames only: unfinished, but nothing a step could run (the worker waits on its sockets)
+    assert decode.has_unfinished() and not decode.has_steppable()
     frames, finals = frames_and_final("B", 2)
     deliver(frames)
     ready = rx.on_final(finals[0].final)
     assert isinstance(ready, Ready)
     decode.complete_transfer("B", ready.leases, ready.first_token)
+    assert decode.has_steppable()
     deliver(late_frames)  # A's late frames arrive
     final = {}
     while decode.has_unfinished():

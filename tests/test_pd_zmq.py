@@ -18,8 +18,9 @@ from tests.pd_cluster import collect, colocated_reference, jobs_for, start_clust
 
 
 @pytest.fixture(scope="module")
-def cluster(tiny_dir):
-    with start_cluster(tiny_dir) as router:
+def cluster(tiny_dir, tmp_path_factory):
+    # the workers share cores as under `serve --mode pd`: thread counts change between steps, results must not
+    with start_cluster(tiny_dir, share_cores=tmp_path_factory.mktemp("cores") / "share") as router:
         yield router
 
 

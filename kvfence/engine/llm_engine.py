@@ -195,6 +195,18 @@ class LLMEngine:
         with self._lock:
             return bool(self._live_ids)
 
+    def has_steppable(self) -> bool:
+        """True while a step could run a forward: requests queued or in the scheduler. Requests that only wait
+        on a PD transfer (frames, an ack) are not steppable; a PD worker waits on its sockets for them instead
+        of stepping an empty engine in a loop."""
+        with self._lock:
+            return bool(self._inbox or self._aborts) or self.scheduler.num_unfinished > 0
+
+    def set_step_threads(self, threads: int) -> None:
+        """Torch threads for the next steps, of every kind (a PD worker sharing its host's cores). Engine thread
+        only: OpenMP's thread count is per thread."""
+        self.runner.threads = (threads, threads)
+
     # ---- PD hand-over (engine thread only; the worker runs transfers on the engine thread, see kvfence/pd) ----
 
     def take_handoffs(self) -> list[Request]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from pathlib import Path
 
 from kvfence.cli import add_engine_args, engine_config_from_args
 from kvfence.pd.serve import add_timeout_args
@@ -18,6 +19,14 @@ def add_worker_commands(sub: argparse._SubParsersAction) -> None:  # type: ignor
             "--router", required=True, help="the router's control address, e.g. tcp://10.0.0.1:7000"
         )
         add_timeout_args(p)
+        p.add_argument(
+            "--share-cores", default=None, metavar="PATH",
+            help="a file made by `serve --mode pd` (kvfence/pd/cores.py): step on --max-threads while the "
+            "other worker on this host has nothing to step, on --threads while it has",
+        )  # fmt: skip
+        p.add_argument(
+            "--max-threads", type=int, default=None, help="threads when alone (with --share-cores)"
+        )
         if role == "prefill":
             p.add_argument("--data", default="tcp://127.0.0.1:0", help="address to bind the KV data socket")
             p.add_argument(
@@ -32,6 +41,7 @@ def run_worker(args: argparse.Namespace) -> int:
     from dataclasses import replace
 
     from kvfence.engine.llm_engine import LLMEngine, return_freed_memory
+    from kvfence.pd.cores import CoreShare
     from kvfence.pd.worker import DecodeWorker, PrefillWorker
     from kvfence.server.launch import run_preflight
     from kvfence.server.preflight import Verdict
@@ -50,6 +60,10 @@ def run_worker(args: argparse.Namespace) -> int:
     engine = LLMEngine(config, loaded)
     del loaded
     return_freed_memory()
+    cores = None
+    if args.share_cores:
+        threads = args.threads or 1
+        cores = CoreShare(Path(args.share_cores), args.role, threads, args.max_threads or threads)
     worker: PrefillWorker | DecodeWorker
     if args.role == "prefill":
         worker = PrefillWorker(
@@ -59,6 +73,7 @@ def run_worker(args: argparse.Namespace) -> int:
             window=args.transfer_window,
             transfer_timeout_s=args.transfer_timeout,
             prefill_timeout_s=args.prefill_timeout,
+            cores=cores,
         )
     else:
         worker = DecodeWorker(
@@ -66,6 +81,7 @@ def run_worker(args: argparse.Namespace) -> int:
             args.router,
             transfer_timeout_s=args.transfer_timeout,
             prefill_timeout_s=args.prefill_timeout,
+            cores=cores,
         )
     worker.preflight = report  # shown per worker on the router's page map
     logging.getLogger("kvfence.pd").info("%s worker up, router %s", args.role, args.router)

@@ -71,11 +71,13 @@ class Role:
         else:
             self.on_request(msg)
 
-    def step(self) -> None:
-        """One engine step, if there is work, and what follows from it."""
+    def step(self) -> bool:
+        """One engine step, if there is work, and what follows from it. Returns whether another step could run
+        a forward now (the worker polls its sockets without waiting while it could)."""
         if self.engine.has_unfinished():
             self.on_outputs(self.engine.step())
             self.after_step()
+        return self.engine.has_steppable()
 
     def send_error(self, request_id: str, code: str, message: str, status: int) -> None:
         self.transport.send_control("error", request_id=request_id, code=code, message=message, status=status)

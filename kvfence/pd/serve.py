@@ -9,12 +9,15 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
+import os
 import signal
 import subprocess
 import sys
+import tempfile
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
+from kvfence.pd import cores
 from kvfence.pd.router import Router
 
 log = logging.getLogger("kvfence.pd")
@@ -25,6 +28,11 @@ def add_pd_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-kv-pages", type=int, default=None, help="PD: the prefill worker's pool (pages)")
     p.add_argument("--decode-kv-pages", type=int, default=None, help="PD: the decode worker's pool (pages)")
     p.add_argument("--transfer-window", type=int, default=8, help="PD: page frames in flight per transfer")
+    p.add_argument(
+        "--share-cores", action=argparse.BooleanOptionalAction, default=True,
+        help="PD: a worker steps on all --threads while the other has nothing to step, on half while it has "
+        "(kvfence/pd/cores.py); --no-share-cores: always half",
+    )  # fmt: skip
     add_timeout_args(p)
 
 
@@ -90,7 +98,8 @@ def cmd_serve_pd(args: argparse.Namespace) -> int:
 def _workers(router: Router, args: argparse.Namespace) -> Iterator[list[subprocess.Popen[bytes]]]:
     from kvfence.engine.config import resolve_dtype
 
-    threads = str(max(1, (args.threads or 2) // 2))  # two workers share this machine's cores
+    total = args.threads or os.cpu_count() or 2
+    threads = str(max(1, total // 2))  # two workers share this machine's cores
     dtype = resolve_dtype(args.dtype, args.device)  # here, so both workers get the same concrete dtype
     common = ["--router", router.addr, "--model", args.model, "--dtype", dtype, "--device", args.device,
               "--page-size", str(args.page_size), "--threads", threads,
@@ -103,6 +112,14 @@ def _workers(router: Router, args: argparse.Namespace) -> Iterator[list[subproce
     common += ["--allow-undersized-pool"] if args.allow_undersized_pool else []
     common += ["--no-integrity-checks"] if args.no_integrity_checks else []
     common += [] if args.enable_prefix_cache else ["--no-enable-prefix-cache"]
+    share = None
+    if args.share_cores:
+        fd, name = tempfile.mkstemp(
+            prefix="kvfence-cores-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None
+        )
+        os.close(fd)
+        share = cores.create(Path(name))
+        common += ["--share-cores", str(share), "--max-threads", str(total)]
     die_with_parent = _parent_death_signal()
     procs = []
     for role, pages in (("prefill", args.prefill_kv_pages), ("decode", args.decode_kv_pages)):
@@ -120,6 +137,8 @@ def _workers(router: Router, args: argparse.Namespace) -> Iterator[list[subproce
     finally:
         router.shutdown()  # tells the workers to exit
         reap(procs)
+        if share is not None:
+            share.unlink(missing_ok=True)
 
 
 def reap(procs: Sequence[subprocess.Popen[bytes]], terminate: bool = False, grace_s: float = 30.0) -> None:

@@ -24,6 +24,7 @@ import zmq
 from kvfence.dashboard.snapshot import KvMapper
 from kvfence.engine.llm_engine import LLMEngine
 from kvfence.pd import control, wire
+from kvfence.pd.cores import CoreShare
 from kvfence.pd.local import layout_fingerprint
 from kvfence.pd.messages import Message
 from kvfence.pd.roles import DecodeRole, PrefillRole, Role
@@ -32,6 +33,7 @@ from kvfence.server.preflight import PreflightReport
 log = logging.getLogger("kvfence.pd.worker")
 IDLE_POLL_MS = 50
 HEARTBEAT_S = 0.5  # the router declares a worker dead after several missed heartbeats
+HEALTH_REFRESH_S = 0.1  # how stale a heartbeat's pool counts may be
 ROUTER_SILENCE_S = 15.0  # a registered worker whose router has said nothing for this long exits
 REGISTRATION_WAIT_S = 600.0  # a worker no router has accepted for this long exits (its router is gone)
 
@@ -54,8 +56,15 @@ class Worker:
     _kv_map: KvMapper | None = None
     role: Role
 
-    def __init__(self, engine: LLMEngine, router_addr: str, ctx: zmq.Context[Any] | None = None) -> None:
+    def __init__(
+        self,
+        engine: LLMEngine,
+        router_addr: str,
+        ctx: zmq.Context[Any] | None = None,
+        cores: CoreShare | None = None,
+    ) -> None:
         self.engine = engine
+        self.cores = cores  # threads per step follow the other workers on this host (kvfence/pd/cores.py)
         self.ctx = ctx or zmq.Context.instance()
         self.identity = uuid.uuid4().bytes
         self.control = self.ctx.socket(zmq.DEALER)
@@ -64,6 +73,7 @@ class Worker:
         self.control.connect(router_addr)
         self.router_addr = router_addr
         self._beat = self._health()  # refreshed between steps, read by the heartbeat thread
+        self._beat_at = time.monotonic()
         self.poller = zmq.Poller()
         self.poller.register(self.control, zmq.POLLIN)
         self.data_addr = ""
@@ -76,9 +86,11 @@ class Worker:
         self.last_router_msg = time.monotonic()
         beat = threading.Thread(target=self._heartbeats, name="kvfence-heartbeat", daemon=True)
         beat.start()
+        steppable = False
         while self.running:
-            busy = self.engine.has_unfinished()
-            for sock, _ in self.poller.poll(0 if busy else IDLE_POLL_MS):
+            # While only transfers are outstanding, wait on the sockets: a frame or an ack wakes the poll. A
+            # loop of empty steps here took a core from the other worker (docs/performance.md, session 8).
+            for sock, _ in self.poller.poll(0 if steppable else IDLE_POLL_MS):
                 self._drain(sock)  # before the silence check: pings queued during a long step count
             silence = ROUTER_SILENCE_S if self.registered else REGISTRATION_WAIT_S
             if time.monotonic() - self.last_router_msg > silence:
@@ -86,9 +98,13 @@ class Worker:
                     "%s worker: the router has been silent for %.0f s; exiting", self.role.name, silence
                 )
                 break
-            self.role.step()
+            if self.cores is not None:
+                self.engine.set_step_threads(self.cores.step_threads(self.engine.has_steppable()))
+            steppable = self.role.step()
             self.role.on_tick()
-            self._beat = self._health()
+            now = time.monotonic()
+            if now - self._beat_at >= HEALTH_REFRESH_S:  # pool stats cost ~5% of a decode worker per step
+                self._beat, self._beat_at = self._health(), now
         self.running = False
         beat.join()
         self.close()
@@ -197,6 +213,8 @@ class Worker:
 
     def close(self) -> None:
         self.control.close(0)
+        if self.cores is not None:
+            self.cores.close()
 
 
 class PrefillWorker(Worker):

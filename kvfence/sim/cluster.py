@@ -366,7 +366,7 @@ class Simulation:
                 self._crash(self.rng.choice(live), "crash")
         return None
 
-    def _guarded(self, worker: SimWorker, fn: Callable[[], None]) -> None:
+    def _guarded(self, worker: SimWorker, fn: Callable[[], object]) -> None:
         trace.node = worker.name  # the page events that follow are this worker's
         try:
             fn()

@@ -86,6 +86,19 @@ inline float exp_shifted(float* v, int64_t n, float shift) {
   return sum;
 }
 
+// the largest of v[0, n), NaNs skipped (-inf when all are NaN or n is 0)
+inline float max_of(const float* v, int64_t n) {
+  int64_t i = 0;
+  float top = -std::numeric_limits<float>::infinity();
+#ifdef __AVX512F__
+  __m512 acc = _mm512_set1_ps(top);
+  for (; i + 16 <= n; i += 16) acc = _mm512_max_ps(_mm512_loadu_ps(v + i), acc);  // a NaN lane keeps acc
+  top = _mm512_reduce_max_ps(acc);
+#endif
+  for (; i < n; ++i) top = v[i] > top ? v[i] : top;
+  return top;
+}
+
 inline float sum_squares(const float* v, int64_t n) {
   int64_t i = 0;
   float sum = 0.0f;
@@ -318,9 +331,7 @@ void paged_decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor kv
       }
       for (int64_t h = 0; h < H; ++h) {
         float* row = &scores[h * ctx];
-        float top = -std::numeric_limits<float>::infinity();
-        for (int64_t t = 0; t < ctx; ++t) top = row[t] > top ? row[t] : top;
-        inv_sum[h] = 1.0f / exp_shifted(row, ctx, top);
+        inv_sum[h] = 1.0f / exp_shifted(row, ctx, max_of(row, ctx));
       }
       std::fill(acc.begin(), acc.end(), 0.0f);
 #ifdef __AVX512F__
@@ -344,13 +355,93 @@ void paged_decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor kv
 
 // ---- prefill attention: causal, over a chunk's own K/V (or the pages read back for a later chunk) ----
 //
-// Query i of a chunk of Lq sees keys 0 .. Lk - Lq + i. Per query head: K of its KV head packed once in blocks of
-// 16 keys, each 32-bit lane a bfloat16 pair of one key (so one dpbf16 gives 16 keys' partial dots), V converted
-// to float32 once; per query: scores of four key blocks at a time (four independent chains), softmax and the
-// weighted sum of V in float32, one rounding to bfloat16. About 5x faster than scaled_dot_product_attention
-// for a 196-token chunk here (docs/performance.md).
+// Query i of a chunk of Lq sees keys 0 .. Lk - Lq + i. Each KV head's K and V are packed once, before any query
+// runs: K in blocks of 16 keys, each 32-bit lane a bfloat16 pair of dims of one key (one dpbf16: 16 keys' partial
+// dots); V in pairs of keys, each lane one dim of two keys (one dpbf16: 16 dims of two keys' weighted sum).
+// Queries go two at a time, so one load of K or V feeds both. Softmax in float32; the probabilities are rounded
+// to bfloat16 for the weighted sum of V (as flash attention does on GPUs), except a key whose pair partner the
+// query does not see, which goes through float32 on its own: no query ever multiplies a key it cannot see. The
+// work is split in units of one head and two tiles from opposite ends of the chunk, which cost about the same
+// under the causal mask, so two threads get equal shares of 9 heads (docs/performance.md, session 8).
+
+namespace {
 
 constexpr int64_t KEY_BLOCK = 16;
+
+#if defined(__AVX512BF16__)
+// Scores (times `scale`) of two queries against keys [0, 16 * nblk) of packed K; four blocks per pass.
+inline void score_two(float* s0, float* s1, const uint16_t* q0, const uint16_t* q1, const uint32_t* kp, int64_t D2,
+                      int64_t nblk, float scale) {
+  const __m512 sv = _mm512_set1_ps(scale);
+  int64_t b = 0;
+  for (; b + 4 <= nblk; b += 4) {
+    __m512 a[8];
+    for (auto& r : a) r = _mm512_setzero_ps();
+    const uint32_t* base = kp + b * D2 * KEY_BLOCK;
+    for (int64_t d2 = 0; d2 < D2; ++d2) {
+      uint32_t p0, p1;
+      std::memcpy(&p0, q0 + 2 * d2, sizeof(p0));
+      std::memcpy(&p1, q1 + 2 * d2, sizeof(p1));
+      const __m512bh x0 = (__m512bh)_mm512_set1_epi32(static_cast<int>(p0));
+      const __m512bh x1 = (__m512bh)_mm512_set1_epi32(static_cast<int>(p1));
+      const uint32_t* kd = base + d2 * KEY_BLOCK;
+      for (int64_t t = 0; t < 4; ++t) {
+        const __m512bh kv = (__m512bh)_mm512_loadu_si512(kd + t * D2 * KEY_BLOCK);
+        a[t] = _mm512_dpbf16_ps(a[t], x0, kv);
+        a[4 + t] = _mm512_dpbf16_ps(a[4 + t], x1, kv);
+      }
+    }
+    for (int64_t t = 0; t < 4; ++t) {
+      _mm512_storeu_ps(s0 + (b + t) * KEY_BLOCK, _mm512_mul_ps(a[t], sv));
+      _mm512_storeu_ps(s1 + (b + t) * KEY_BLOCK, _mm512_mul_ps(a[4 + t], sv));
+    }
+  }
+  for (; b < nblk; ++b) {
+    __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
+    const uint32_t* base = kp + b * D2 * KEY_BLOCK;
+    for (int64_t d2 = 0; d2 < D2; ++d2) {
+      uint32_t p0, p1;
+      std::memcpy(&p0, q0 + 2 * d2, sizeof(p0));
+      std::memcpy(&p1, q1 + 2 * d2, sizeof(p1));
+      const __m512bh kv = (__m512bh)_mm512_loadu_si512(base + d2 * KEY_BLOCK);
+      a0 = _mm512_dpbf16_ps(a0, (__m512bh)_mm512_set1_epi32(static_cast<int>(p0)), kv);
+      a1 = _mm512_dpbf16_ps(a1, (__m512bh)_mm512_set1_epi32(static_cast<int>(p1)), kv);
+    }
+    _mm512_storeu_ps(s0 + b * KEY_BLOCK, _mm512_mul_ps(a0, sv));
+    _mm512_storeu_ps(s1 + b * KEY_BLOCK, _mm512_mul_ps(a1, sv));
+  }
+}
+
+// s[0, n) -> e^(s - max), rounded to bfloat16 pairs in pp[0, n / 2) (an odd last key stays in s[n - 1]);
+// returns 1 / the float32 sum.
+inline float softmax_pairs(float* s, int64_t n, uint32_t* pp) {
+  const float inv = 1.0f / exp_shifted(s, n, max_of(s, n));
+  int64_t j = 0;
+  for (; j + 32 <= n; j += 32)
+    _mm512_storeu_si512(pp + j / 2, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(s + j + 16), _mm512_loadu_ps(s + j)));
+  for (; j + 1 < n; j += 2)
+    pp[j / 2] = static_cast<uint32_t>(f32_to_bf16(s[j])) | (static_cast<uint32_t>(f32_to_bf16(s[j + 1])) << 16);
+  return inv;
+}
+
+// acc{0,1}[c] (16 dims each, c < C) += the weighted sums of V over key pairs [0, pairs) of packed V (vp, Dh dims).
+template <int64_t C>
+inline void weigh_pairs(__m512* acc0, __m512* acc1, const uint32_t* pp0, const uint32_t* pp1, const uint32_t* vp,
+                        int64_t Dh, int64_t pairs) {
+  for (int64_t jp = 0; jp < pairs; ++jp) {
+    const __m512bh x0 = (__m512bh)_mm512_set1_epi32(static_cast<int>(pp0[jp]));
+    const __m512bh x1 = (__m512bh)_mm512_set1_epi32(static_cast<int>(pp1[jp]));
+    const uint32_t* v = vp + jp * Dh;
+    for (int64_t c = 0; c < C; ++c) {
+      const __m512bh vv = (__m512bh)_mm512_loadu_si512(v + 16 * c);
+      acc0[c] = _mm512_dpbf16_ps(acc0[c], x0, vv);
+      acc1[c] = _mm512_dpbf16_ps(acc1[c], x1, vv);
+    }
+  }
+}
+#endif
+
+}  // namespace
 
 void prefill_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k, torch::Tensor v, double scale) {
   TORCH_CHECK(out.device().is_cpu() && q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu(),
@@ -368,104 +459,111 @@ void prefill_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k, torc
   at::assert_no_overlap(out, k);
   at::assert_no_overlap(out, v);
   const int64_t G = H / Hkv, D2 = Dh / 2, offset = Lk - Lq;
-  const int64_t blocks = (Lk + 4 * KEY_BLOCK - 1) / (4 * KEY_BLOCK) * 4;  // padded to whole groups of four
+  const int64_t nblk_all = (Lk + KEY_BLOCK - 1) / KEY_BLOCK, npair_all = (Lk + 1) / 2;
   const auto* qb = reinterpret_cast<const uint16_t*>(q.data_ptr());
   const auto* kb = reinterpret_cast<const uint16_t*>(k.data_ptr());
   const auto* vb = reinterpret_cast<const uint16_t*>(v.data_ptr());
   auto* ob = reinterpret_cast<uint16_t*>(out.data_ptr());
   const float fscale = static_cast<float>(scale);
-  at::parallel_for(0, H, 1, [&](int64_t begin, int64_t end) {
-    std::vector<uint32_t> kp(blocks * D2 * KEY_BLOCK);
-    std::vector<float> vf(Lk * Dh), scores(blocks * KEY_BLOCK), acc(Dh);
-    int64_t packed_head = -1;
-    for (int64_t h = begin; h < end; ++h) {
-      const int64_t kh = h / G;
-      if (kh != packed_head) {  // K as [block][pair][key in block] 32-bit bfloat16 pairs, zero past Lk
-        std::fill(kp.begin(), kp.end(), 0u);
-        for (int64_t j = 0; j < Lk; ++j) {
-          const uint16_t* row = kb + j * k.stride(0) + kh * k.stride(1);
-          for (int64_t d2 = 0; d2 < D2; ++d2) {
-            uint32_t pair;
-            std::memcpy(&pair, row + 2 * d2, sizeof(pair));
-            kp[((j / KEY_BLOCK) * D2 + d2) * KEY_BLOCK + j % KEY_BLOCK] = pair;
-          }
-          bf16_to_f32(vb + j * v.stride(0) + kh * v.stride(1), &vf[j * Dh], Dh);
-        }
-        packed_head = kh;
-      }
-      for (int64_t i = 0; i < Lq; ++i) {
-        const int64_t n = offset + i + 1;  // keys this query sees
-        const uint16_t* qrow = qb + i * q.stride(0) + h * q.stride(1);
+  auto q_row = [&](int64_t i, int64_t h) { return qb + i * q.stride(0) + h * q.stride(1); };
+  auto k_row = [&](int64_t j, int64_t kh) { return kb + j * k.stride(0) + kh * k.stride(1); };
+  auto v_row = [&](int64_t j, int64_t kh) { return vb + j * v.stride(0) + kh * v.stride(1); };
+  auto o_row = [&](int64_t i, int64_t h) { return ob + i * out.stride(0) + h * out.stride(1); };
 #if defined(__AVX512BF16__)
-        const __m512 sv = _mm512_set1_ps(fscale);
-        for (int64_t b0 = 0; b0 * KEY_BLOCK < n; b0 += 4) {  // even and odd pairs apart: eight chains
-          __m512 a[8];
-          for (auto& r : a) r = _mm512_setzero_ps();
-          const uint32_t* base = &kp[b0 * D2 * KEY_BLOCK];
-          for (int64_t d2 = 0; d2 < D2; d2 += 2) {
-            uint32_t pairs[2];
-            std::memcpy(pairs, qrow + 2 * d2, sizeof(pairs));
-            for (int64_t e = 0; e < 2; ++e) {
-              const __m512bh qv = (__m512bh)_mm512_set1_epi32(static_cast<int>(pairs[e]));
-              const uint32_t* kd = base + (d2 + e) * KEY_BLOCK;
-              for (int64_t t = 0; t < 4; ++t)
-                a[4 * e + t] = _mm512_dpbf16_ps(a[4 * e + t], qv, (__m512bh)_mm512_loadu_si512(kd + t * D2 * KEY_BLOCK));
-            }
-          }
-          for (int64_t t = 0; t < 4; ++t)
-            _mm512_storeu_ps(&scores[(b0 + t) * KEY_BLOCK], _mm512_mul_ps(_mm512_add_ps(a[t], a[4 + t]), sv));
+  // K as [block][dim pair][key in block], V as [key pair][dim]: 32-bit bfloat16 pairs, zero past Lk
+  std::vector<uint32_t> kp(Hkv * nblk_all * D2 * KEY_BLOCK, 0u), vp(Hkv * npair_all * Dh, 0u);
+  at::parallel_for(0, Hkv, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t kh = begin; kh < end; ++kh) {
+      uint32_t* kd = &kp[kh * nblk_all * D2 * KEY_BLOCK];
+      uint32_t* vd = &vp[kh * npair_all * Dh];
+      for (int64_t j = 0; j < Lk; ++j) {
+        const uint16_t *kr = k_row(j, kh), *vr = v_row(j, kh);
+        for (int64_t d2 = 0; d2 < D2; ++d2) {
+          uint32_t pair;
+          std::memcpy(&pair, kr + 2 * d2, sizeof(pair));
+          kd[((j / KEY_BLOCK) * D2 + d2) * KEY_BLOCK + j % KEY_BLOCK] = pair;
         }
-#else
-        for (int64_t j = 0; j < n; ++j) {
-          float dot = 0.0f;
-          for (int64_t d = 0; d < Dh; ++d) {
-            uint32_t qbits = static_cast<uint32_t>(qrow[d]) << 16, kbits;
-            const uint16_t kbf = (d % 2 == 0) ? static_cast<uint16_t>(kp[((j / KEY_BLOCK) * D2 + d / 2) * KEY_BLOCK + j % KEY_BLOCK])
-                                              : static_cast<uint16_t>(kp[((j / KEY_BLOCK) * D2 + d / 2) * KEY_BLOCK + j % KEY_BLOCK] >> 16);
-            kbits = static_cast<uint32_t>(kbf) << 16;
-            float qf, kf;
-            std::memcpy(&qf, &qbits, sizeof(float));
-            std::memcpy(&kf, &kbits, sizeof(float));
-            dot += qf * kf;
-          }
-          scores[j] = dot * fscale;
-        }
-#endif
-        float top = -std::numeric_limits<float>::infinity();
-        for (int64_t j = 0; j < n; ++j) top = scores[j] > top ? scores[j] : top;
-        const float inv = 1.0f / exp_shifted(scores.data(), n, top);
-#if defined(__AVX512F__)
-        if (Dh % 64 == 0) {  // 64 dims at a time in registers, even and odd keys apart (two chains per vector)
-          for (int64_t c = 0; c < Dh; c += 64) {
-            __m512 e[4], o[4];
-            for (int64_t t = 0; t < 4; ++t) e[t] = o[t] = _mm512_setzero_ps();
-            int64_t j = 0;
-            for (; j + 1 < n; j += 2) {
-              const __m512 pe = _mm512_set1_ps(scores[j]), po = _mm512_set1_ps(scores[j + 1]);
-              const float *ve = &vf[j * Dh + c], *vo = ve + Dh;
-              for (int64_t t = 0; t < 4; ++t) {
-                e[t] = _mm512_fmadd_ps(pe, _mm512_loadu_ps(ve + 16 * t), e[t]);
-                o[t] = _mm512_fmadd_ps(po, _mm512_loadu_ps(vo + 16 * t), o[t]);
-              }
-            }
-            if (j < n) {
-              const __m512 pe = _mm512_set1_ps(scores[j]);
-              for (int64_t t = 0; t < 4; ++t) e[t] = _mm512_fmadd_ps(pe, _mm512_loadu_ps(&vf[j * Dh + c + 16 * t]), e[t]);
-            }
-            const __m512 iv = _mm512_set1_ps(inv);
-            for (int64_t t = 0; t < 4; ++t) _mm512_storeu_ps(&acc[c + 16 * t], _mm512_mul_ps(_mm512_add_ps(e[t], o[t]), iv));
-          }
-        } else
-#endif
-        {
-          std::fill(acc.begin(), acc.end(), 0.0f);
-          for (int64_t j = 0; j < n; ++j) axpy(acc.data(), scores[j], &vf[j * Dh], Dh);
-          for (int64_t d = 0; d < Dh; ++d) acc[d] *= inv;
-        }
-        f32_to_bf16_n(acc.data(), ob + i * out.stride(0) + h * out.stride(1), Dh);
+        const int shift = j % 2 ? 16 : 0;
+        for (int64_t d = 0; d < Dh; ++d) vd[(j / 2) * Dh + d] |= static_cast<uint32_t>(vr[d]) << shift;
       }
     }
   });
+  // tiles of two queries (the last alone when Lq is odd, computed twice); unit u of a head: tiles u, T - 1 - u
+  const int64_t T = (Lq + 1) / 2, per_head = (T + 1) / 2;
+  at::parallel_for(0, H * per_head, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> s0(nblk_all * KEY_BLOCK), s1(nblk_all * KEY_BLOCK);
+    std::vector<uint32_t> pp0(npair_all + 16), pp1(npair_all + 16);
+    for (int64_t unit = begin; unit < end; ++unit) {
+      const int64_t h = unit / per_head, kh = h / G, u = unit % per_head;
+      const uint32_t* kd = &kp[kh * nblk_all * D2 * KEY_BLOCK];
+      const uint32_t* vd = &vp[kh * npair_all * Dh];
+      const int64_t tiles[2] = {u, T - 1 - u};  // u <= T - 1 - u; equal for the middle tile of an odd T
+      for (int64_t t = 0; t < (tiles[1] == u ? 1 : 2); ++t) {
+        const int64_t tile = tiles[t];
+        const int64_t i0 = 2 * tile, i1 = std::min(i0 + 1, Lq - 1);
+        const int64_t n0 = offset + i0 + 1, n1 = offset + i1 + 1;  // keys each sees (n1 >= n0)
+        score_two(s0.data(), s1.data(), q_row(i0, h), q_row(i1, h), kd, D2, (n1 + KEY_BLOCK - 1) / KEY_BLOCK, fscale);
+        const float inv0 = softmax_pairs(s0.data(), n0, pp0.data());
+        const float inv1 = softmax_pairs(s1.data(), n1, pp1.data());
+        const int64_t pairs = n0 / 2;  // whole pairs both queries see
+        for (int64_t c0 = 0; c0 < Dh; c0 += 128) {  // 128 dims (8 vectors per query) at a time in registers
+          const int64_t C = std::min<int64_t>(8, (Dh - c0) / 16);
+          __m512 a0[8], a1[8];
+          for (int64_t c = 0; c < 8; ++c) a0[c] = a1[c] = _mm512_setzero_ps();
+          switch (C) {
+#define KVFENCE_PAIRS(N) case N: weigh_pairs<N>(a0, a1, pp0.data(), pp1.data(), vd + c0, Dh, pairs); break;
+            KVFENCE_PAIRS(1) KVFENCE_PAIRS(2) KVFENCE_PAIRS(3) KVFENCE_PAIRS(4)
+            KVFENCE_PAIRS(5) KVFENCE_PAIRS(6) KVFENCE_PAIRS(7) KVFENCE_PAIRS(8)
+#undef KVFENCE_PAIRS
+          }
+          // the keys past the shared pairs, one at a time in float32: at most one for query 0, two for query 1
+          for (int64_t j = 2 * pairs; j < n1; ++j) {
+            const uint16_t* vr = v_row(j, kh) + c0;
+            const __m512 p0 = _mm512_set1_ps(j < n0 ? s0[j] : 0.0f), p1 = _mm512_set1_ps(s1[j]);
+            for (int64_t c = 0; c < C; ++c) {
+              const __m512 vv = load_bf16x16(vr + 16 * c);
+              if (j < n0) a0[c] = _mm512_fmadd_ps(p0, vv, a0[c]);
+              a1[c] = _mm512_fmadd_ps(p1, vv, a1[c]);
+            }
+          }
+          const __m512 iv0 = _mm512_set1_ps(inv0), iv1 = _mm512_set1_ps(inv1);
+          for (int64_t c = 0; c < C; ++c) {
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(o_row(i0, h) + c0 + 16 * c),
+                                (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(a0[c], iv0)));
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(o_row(i1, h) + c0 + 16 * c),
+                                (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(a1[c], iv1)));
+          }
+        }
+      }
+    }
+  });
+#else
+  // Without AVX512-BF16: one query at a time in float32.
+  at::parallel_for(0, H, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(Dh), kf(Dh), vf(Dh), scores(Lk), acc(Dh);
+    for (int64_t h = begin; h < end; ++h) {
+      const int64_t kh = h / G;
+      for (int64_t i = 0; i < Lq; ++i) {
+        const int64_t n = offset + i + 1;
+        bf16_to_f32(q_row(i, h), qf.data(), Dh);
+        float top = -std::numeric_limits<float>::infinity();
+        for (int64_t j = 0; j < n; ++j) {
+          bf16_to_f32(k_row(j, kh), kf.data(), Dh);
+          scores[j] = dot(qf.data(), kf.data(), Dh) * fscale;
+          top = scores[j] > top ? scores[j] : top;
+        }
+        const float inv = 1.0f / exp_shifted(scores.data(), n, top);
+        std::fill(acc.begin(), acc.end(), 0.0f);
+        for (int64_t j = 0; j < n; ++j) {
+          bf16_to_f32(v_row(j, kh), vf.data(), Dh);
+          axpy(acc.data(), scores[j], vf.data(), Dh);
+        }
+        for (int64_t d = 0; d < Dh; ++d) acc[d] *= inv;
+        f32_to_bf16_n(acc.data(), o_row(i, h), Dh);
+      }
+    }
+  });
+#endif
 }
 
 // ---- the small operators of a layer, fused (bfloat16 in and out, float32 inside, one rounding) ----

@@ -1,0 +1,57 @@
+"""Cores shared by the PD workers of one host: a worker steps on all of them while the others have nothing to step.
+
+`kvfence serve --mode pd` on 2 cores gives each worker one thread. Then the decode worker, with a batch to step,
+waits on one core while the prefill worker sits idle on the other between prompts (and the other way round: a
+single request's prefill ran on half the machine). Here each worker publishes one byte, "I have a step to run",
+in a small shared file, and before each step reads the others': alone, it steps on `max_threads`; with company,
+on its own `threads`. A worker that turns busy while another runs a wide step overlaps with it for at most that
+one step. Nothing here touches pages or requests: the file only sets thread counts, so a stale or torn read costs
+speed, never isolation.
+
+Slots: one byte per worker, claimed by role (prefill 0, decode 1). The file is made by `serve --mode pd`
+(or by hand with `kvfence prefill|decode --share-cores PATH`).
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+from pathlib import Path
+
+SLOTS = 8
+ROLE_SLOTS = {"prefill": 0, "decode": 1}
+
+
+def create(path: Path) -> Path:
+    """A fresh all-idle share file."""
+    path.write_bytes(bytes(SLOTS))
+    return path
+
+
+class CoreShare:
+    def __init__(self, path: Path, role: str, threads: int, max_threads: int) -> None:
+        if not 1 <= threads <= max_threads:
+            raise ValueError(f"threads {threads} must be in 1..max_threads ({max_threads})")
+        self.slot = ROLE_SLOTS[role]
+        self.threads = threads
+        self.max_threads = max_threads
+        fd = os.open(path, os.O_RDWR)
+        try:
+            self._map = mmap.mmap(fd, SLOTS)
+        finally:
+            os.close(fd)
+        self._busy = False
+        self._map[self.slot] = 0
+
+    def step_threads(self, busy: bool) -> int:
+        """Publish whether this worker has a step to run; the threads that step should use."""
+        if busy != self._busy:
+            self._map[self.slot] = int(busy)
+            self._busy = busy
+        others = any(b for i, b in enumerate(self._map[:SLOTS]) if i != self.slot)
+        return self.threads if others else self.max_threads
+
+    def close(self) -> None:
+        if not self._map.closed:
+            self._map[self.slot] = 0
+            self._map.close()
