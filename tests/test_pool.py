@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from kvfence.faults import Faults
 from kvfence.ids import NO_TAG, PageId, RequestId
-from kvfence.kv.integrity import ReadSet, check_reads
+from kvfence.kv.integrity import ReadSet, StepReads, check_reads
 from kvfence.kv.pool import PagePool, PageState
 
 
@@ -132,6 +132,33 @@ def test_random_operations_keep_the_pool_consistent(ops):
         pool.check_integrity()
     leased_pages = sorted(int(x.page) for group in owned for x in group)
     assert leased_pages == sorted(np.flatnonzero(pool.state == PageState.LEASED).tolist())
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.data())
+def test_step_reads_agree_with_check_reads(data):
+    """The engine's fast path (arrays built once per step, checked before and after the forward pass) returns
+    exactly what `check_reads` returns, untouched or after foreign writes, missing stamps and stolen pages."""
+    pool = PagePool(32, 4, lease_prefix=3)
+    rows = []
+    for i in range(data.draw(st.integers(1, 5))):
+        leases = pool.allocate(data.draw(st.integers(1, 5)))
+        done = data.draw(st.integers(0, 4 * len(leases)))  # tokens written before the step
+        new = data.draw(st.integers(0, 4 * len(leases) - done))  # and by it
+        written = pool.pages_for(done + new)
+        pool.stamp([x.page for x in leases[:written]], [x.lease for x in leases[:written]])
+        rows.append((read_set(f"r{i}", leases, done), read_set(f"r{i}", leases, done + new)))
+    pages = [p for before, _ in rows for p in before.pages]
+    for _ in range(data.draw(st.integers(0, 3))):  # tampering
+        page = data.draw(st.sampled_from(pages))
+        if data.draw(st.booleans()):
+            pool.tag[page] = data.draw(st.sampled_from([NO_TAG, 12345]))
+        else:
+            pool.owner[page] = 777
+    before, after = [b for b, _ in rows], [a for _, a in rows]
+    reads = StepReads(pool, before, after)
+    assert reads.check(pool, after_step=False) == check_reads(pool, before)
+    assert reads.check(pool, after_step=True) == check_reads(pool, after)
 
 
 def test_core_modules_import_without_torch():

@@ -37,7 +37,7 @@ from kvfence.engine.request import Request, RequestState, SamplingParams
 from kvfence.engine.scheduler import Scheduled, Scheduler, SchedulerConfig
 from kvfence.faults import Faults
 from kvfence.ids import PageId, RequestId
-from kvfence.kv.integrity import ReadSet, Violation, WriteSet, check_reads, check_writes
+from kvfence.kv.integrity import ReadSet, StepReads, Violation, WriteSet, check_reads, check_writes
 from kvfence.kv.pool import Lease, PagePool, PageState
 from kvfence.kv.prefix_cache import PrefixCache
 from kvfence.model.llama import LlamaForCausalLM
@@ -127,6 +127,7 @@ class LLMEngine:
         self.integrity_checks = config.integrity_checks
         self._lock = threading.Lock()
         self._inbox: list[Request] = []
+        self._reads: tuple[list[Scheduled], StepReads] | None = None  # this step's I1 arrays (engine thread)
         self._aborts: set[RequestId] = set()
         self._requests: dict[RequestId, Request] = {}  # engine thread only
         self._live_ids: set[RequestId] = set()  # under _lock: every id from admission until the request ends
@@ -358,22 +359,26 @@ class LLMEngine:
     def _verify(
         self, scheduled: list[Scheduled], after_step: bool
     ) -> tuple[list[Scheduled], list[RequestOutput]]:
-        """I1: fail every scheduled request whose block table does not match its leases and writes."""
+        """I1: fail every scheduled request whose block table does not match its leases and writes. The check
+        after the step reuses the arrays of the check before it when the batch is the same list."""
         if not self.integrity_checks:
             return scheduled, []
         t0 = time.perf_counter()
-        read_sets = [
-            ReadSet(
-                s.request.request_id,
-                s.request.pages,
-                s.request.leases,
-                s.request.num_computed_tokens + (s.num_new_tokens if after_step else 0),
-            )
-            for s in scheduled
-        ]
-        violations = check_reads(self.pool, read_sets)
-        self.stats.integrity_checks += len(read_sets)
-        num_pages = sum(len(rs.pages) for rs in read_sets)
+        reads = self._reads
+        if not after_step or reads is None or reads[0] is not scheduled:
+            before, after = [], []
+            for s in scheduled:
+                r = s.request
+                before.append(ReadSet(r.request_id, r.pages, r.leases, r.num_computed_tokens))
+                after.append(
+                    ReadSet(r.request_id, r.pages, r.leases, r.num_computed_tokens + s.num_new_tokens)
+                )
+            reads = self._reads = (scheduled, StepReads(self.pool, before, after))
+        violations = reads[1].check(self.pool, after_step)
+        if after_step:
+            self._reads = None
+        num_pages = len(reads[1].pages)
+        self.stats.integrity_checks += len(scheduled)
         self.stats.pages_checked += num_pages
         for s in scheduled:
             s.request.num_pages_checked += len(s.request.pages)
