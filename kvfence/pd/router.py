@@ -15,7 +15,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import zmq
@@ -54,6 +54,30 @@ class _Routed:
     decode: bytes
     on_output: OnOutput
     done: bool = False
+    sent_tokens: int = (
+        0  # output tokens the client has been given (the first may come from the prefill worker)
+    )
+    sent_text: str = ""
+
+
+def _unseen(routed: _Routed, out: RequestOutput) -> RequestOutput:
+    """What of `out` the client has not seen; records it as seen. The prefill worker sends the first token as
+    soon as it is sampled (the time to first token is then the prefill's, not the prefill's plus the
+    transfer's), and the decode worker's outputs carry it again. Tokens and logprobs already sent are dropped;
+    text is cut from the cumulative text, since the decode worker's detokenizer may still hold back what the
+    prefill worker's already showed (a character split across tokens)."""
+    skip = max(0, routed.sent_tokens - (out.num_output_tokens - len(out.new_token_ids)))
+    routed.sent_tokens = max(routed.sent_tokens, out.num_output_tokens)
+    sent = routed.sent_text
+    if out.text.startswith(sent):
+        new_text, routed.sent_text = out.text[len(sent) :], out.text
+    else:  # behind what was sent (held back), or an error's empty text
+        new_text = "" if sent.startswith(out.text) else out.new_text
+    if skip == 0 and new_text == out.new_text:
+        return out
+    return replace(
+        out, new_token_ids=out.new_token_ids[skip:], new_text=new_text, logprobs=out.logprobs[skip:]
+    )
 
 
 class RouterCore:
@@ -162,6 +186,7 @@ class RouterCore:
         routed = self._routed.get(out.request_id)
         if routed is None or routed.done:
             return
+        out = _unseen(routed, out)
         routed.done = out.finished
         routed.on_output(out)
         if out.finished:

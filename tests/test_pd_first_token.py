@@ -1,0 +1,45 @@
+"""The first token in PD mode: the prefill worker sends it as soon as it is sampled, and the router hands the
+client each token and each character once, although the decode worker's outputs carry the first token again."""
+
+from __future__ import annotations
+
+from kvfence.engine.output import RequestOutput
+from kvfence.ids import RequestId
+from kvfence.pd.router import _Routed, _unseen
+
+
+def output(tokens: list[int], new: int, text: str, new_text: str, finished: bool = False) -> RequestOutput:
+    return RequestOutput(
+        request_id=RequestId("r"), new_token_ids=tuple(tokens[-new:]) if new else (), new_text=new_text,
+        finished=finished, finish_reason="length" if finished else None, error_code=None, num_prompt_tokens=5,
+        num_output_tokens=len(tokens), text=text, token_ids=tuple(tokens),
+        logprobs=tuple((-0.1 * t, ()) for t in tokens[-new:]) if new else (),
+    )  # fmt: skip
+
+
+def client_view(outputs: list[RequestOutput]) -> tuple[list[int], str, int]:
+    routed = _Routed(prompt_len=5, prefill=b"p", decode=b"d", on_output=lambda out: None)
+    seen = [_unseen(routed, out) for out in outputs]
+    return (
+        [t for o in seen for t in o.new_token_ids],
+        "".join(o.new_text for o in seen),
+        sum(len(o.logprobs) for o in seen),
+    )
+
+
+def test_the_first_token_is_not_shown_twice():
+    prefill = output([7], 1, "Hi", "Hi")
+    decode = [
+        output([7, 8], 2, "Hi there", "Hi there"),
+        output([7, 8, 9], 1, "Hi there!", "!", finished=True),
+    ]
+    assert client_view([prefill, *decode]) == ([7, 8, 9], "Hi there!", 3)
+    assert client_view(decode) == ([7, 8, 9], "Hi there!", 3)  # without the early token: unchanged
+
+
+def test_text_the_decode_worker_still_holds_back_is_not_repeated_later():
+    """The prefill worker showed "wh"; the decode worker holds back the first two tokens (a split character),
+    then releases them with the third: the client gets the rest once."""
+    prefill = output([7], 1, "wh", "wh")
+    decode = [output([7, 8], 2, "", ""), output([7, 8, 9], 1, "wh\u00e9x", "wh\u00e9x", finished=True)]
+    assert client_view([prefill, *decode]) == ([7, 8, 9], "wh\u00e9x", 3)
