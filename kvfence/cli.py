@@ -193,11 +193,16 @@ def build_parser() -> argparse.ArgumentParser:
 # (docs/performance.md, session 6). Read by oneDNN when it first needs its cache; a value already in the
 # environment wins. PD workers inherit it from `serve --mode pd`.
 ONEDNN_CACHE_ENTRIES = "64"
+# torch's own cache in front of oneDNN's (ideep's, per thread, 1,024 entries by default) keeps, per distinct
+# input shape of every linear layer, about 0.6 MB: RSS grew by some 10 MB per W1 with new prompt lengths and
+# never stopped (docs/performance.md, session 8). A miss finds the primitive in oneDNN's cache above.
+TORCH_LINEAR_CACHE_ENTRIES = "32"
 
 
 def process_defaults(environ: MutableMapping[str, str]) -> None:
     """Environment defaults for every kvfence process, applied before anything loads."""
     environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", ONEDNN_CACHE_ENTRIES)
+    environ.setdefault("LRU_CACHE_CAPACITY", TORCH_LINEAR_CACHE_ENTRIES)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -7,12 +7,14 @@ Unit tests on the pure function, then the `kvfence preflight` / `kvfence serve` 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from dataclasses import replace
 
 import httpx
 import pytest
+import torch
 
 from kvfence.cli import main
 from kvfence.engine.config import EngineConfig
@@ -193,11 +195,58 @@ def test_dtype_auto_is_bfloat16_where_the_cpu_has_bfloat16_dot_products():
 
 
 def test_every_process_caps_onednn_primitive_cache_unless_told_otherwise():
-    from kvfence.cli import ONEDNN_CACHE_ENTRIES, process_defaults
+    from kvfence.cli import ONEDNN_CACHE_ENTRIES, TORCH_LINEAR_CACHE_ENTRIES, process_defaults
 
     environ: dict[str, str] = {}
     process_defaults(environ)
-    assert environ == {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": ONEDNN_CACHE_ENTRIES}
+    assert environ == {
+        "ONEDNN_PRIMITIVE_CACHE_CAPACITY": ONEDNN_CACHE_ENTRIES,
+        "LRU_CACHE_CAPACITY": TORCH_LINEAR_CACHE_ENTRIES,
+    }
     environ = {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "1024"}
     process_defaults(environ)
     assert environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == "1024"
+
+
+LINEAR_SHAPES_PROBE = """
+import os, sys
+from kvfence.cli import process_defaults
+if sys.argv[1] == "defaults":
+    process_defaults(os.environ)
+import torch
+torch.set_num_threads(1)
+def anon_mib():
+    return int(next(l for l in open("/proc/self/status") if l.startswith("RssAnon")).split()[1]) >> 10
+weights = [torch.ops.mkldnn._reorder_linear_weight(torch.randn(n, k).bfloat16(), 8)
+           for n, k in ((960, 576), (576, 576), (3072, 576), (576, 1536))]
+def step(rows):
+    for w in weights:
+        torch.ops.mkldnn._linear_pointwise(torch.randn(rows, w.size(1)).bfloat16(), w, None, "none", [], "")
+for rows in range(150, 160):
+    step(rows)
+start = anon_mib()
+for rows in range(160, 260):  # a prefill chunk's token count differs from step to step
+    step(rows)
+print(anon_mib() - start)
+"""
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="reads /proc/self/status")
+def test_linear_layers_over_many_input_shapes_keep_memory_bounded():
+    """torch keeps a oneDNN computation per input shape of each linear layer (about 0.6 MB each, 1,024 by
+    default): without a cap, every new prefill length adds memory for good. Under kvfence's process defaults
+    the growth stops at the cap."""
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("no oneDNN in this torch build")
+    grown = {}
+    for mode in ("defaults", "uncapped"):
+        env = {
+            k: v
+            for k, v in os.environ.items()
+            if k not in ("LRU_CACHE_CAPACITY", "ONEDNN_PRIMITIVE_CACHE_CAPACITY")
+        }
+        out = subprocess.run([sys.executable, "-c", LINEAR_SHAPES_PROBE, mode], capture_output=True, text=True,
+                             env=env, check=True)  # fmt: skip
+        grown[mode] = int(out.stdout.split()[-1])
+    assert grown["uncapped"] > 150, grown  # the probe does show the growth (about 280 MB here)
+    assert grown["defaults"] < 60, grown  # about 33 MB here
