@@ -34,6 +34,18 @@ def test_a_worker_that_turns_idle_frees_the_cores_for_the_other(tmp_path):
     assert prefill.step_threads(busy=True) == 4
 
 
+def test_a_worker_that_ran_out_of_work_stops_looking_busy_at_once(tmp_path):
+    """The decode worker's last step ends a request; before it waits on its sockets it publishes that it is
+    idle, so the next prompt's prefill (which arrives while it waits) runs on every core."""
+    path = cores.create(tmp_path / "share")
+    prefill = CoreShare(path, "prefill", threads=1, max_threads=2)
+    decode = CoreShare(path, "decode", threads=1, max_threads=2)
+    decode.step_threads(busy=True)
+    assert prefill.step_threads(busy=True) == 1
+    decode.publish(busy=False)
+    assert prefill.step_threads(busy=True) == 2
+
+
 @pytest.mark.parametrize(("threads", "max_threads"), [(0, 2), (3, 2)])
 def test_thread_counts_are_checked(tmp_path, threads, max_threads):
     with pytest.raises(ValueError):

@@ -45,11 +45,16 @@ class CoreShare:
 
     def step_threads(self, busy: bool) -> int:
         """Publish whether this worker has a step to run; the threads that step should use."""
+        self.publish(busy)
+        others = any(b for i, b in enumerate(self._map[:SLOTS]) if i != self.slot)
+        return self.threads if others else self.max_threads
+
+    def publish(self, busy: bool) -> None:
+        """Called again right after each step: a worker that just ran out of work must not look busy while it
+        waits on its sockets, or the other worker's next step (a new prompt) would run on half the cores."""
         if busy != self._busy:
             self._map[self.slot] = int(busy)
             self._busy = busy
-        others = any(b for i, b in enumerate(self._map[:SLOTS]) if i != self.slot)
-        return self.threads if others else self.max_threads
 
     def close(self) -> None:
         if not self._map.closed:

@@ -101,6 +101,8 @@ class Worker:
             if self.cores is not None:
                 self.engine.set_step_threads(self.cores.step_threads(self.engine.has_steppable()))
             steppable = self.role.step()
+            if self.cores is not None:
+                self.cores.publish(steppable)
             self.role.on_tick()
             now = time.monotonic()
             if now - self._beat_at >= HEALTH_REFRESH_S:  # pool stats cost ~5% of a decode worker per step
