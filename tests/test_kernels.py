@@ -292,3 +292,27 @@ def test_kernels_release_the_gil():
         sys.setswitchinterval(interval)
         torch.set_num_threads(threads)
     assert seen_alive == [True]
+
+
+def test_write_kv_matches_the_torch_write_and_refuses_slots_outside_the_pool():
+    """K and V as the fused projection leaves them (rows strided by the whole QKV width) land in the same slots,
+    bit for bit, as PagedKV.write puts them; a slot past the pool raises before anything is written."""
+    from kvfence.model.config import ModelConfig
+    from kvfence.model.llama import PagedKV
+
+    cfg = ModelConfig(architecture="llama", vocab_size=64, hidden_size=96, intermediate_size=128, num_layers=2,
+                      num_heads=3, num_kv_heads=1, head_dim=32, rope_theta=1e4, rms_norm_eps=1e-5,
+                      context_length=64, tie_word_embeddings=True, attention_bias=False, bos_token_id=None,
+                      eos_token_ids=(0,))  # fmt: skip
+    g = torch.Generator().manual_seed(5)
+    ours, reference = PagedKV(cfg, 9, 4, torch.bfloat16, "cpu"), PagedKV(cfg, 9, 4, torch.bfloat16, "cpu")
+    heads = torch.randn(7, 5, 32, generator=g).bfloat16()  # [T, H + 2 Hkv, Dh]: q, q, q, k, v
+    k, v = heads[:, 3:4], heads[:, 4:5]
+    slots = torch.randperm(36, generator=g)[:7]
+    OPS.write_kv(ours.kv[1], slots, k, v)
+    reference.write(1, slots, k, v)
+    assert torch.equal(ours.kv, reference.kv)
+    before = ours.kv.clone()
+    with pytest.raises(RuntimeError, match="slot outside the pool"):
+        OPS.write_kv(ours.kv[0], torch.tensor([0, 1, 2, 3, 4, 5, 36]), k, v)
+    assert torch.equal(ours.kv, before)

@@ -203,7 +203,10 @@ class Attention(nn.Module):
             )  # [T, H + Hkv, Dh]
             q, k = qk[:, :h], qk[:, h:]
             v = qkv[:, (h + hkv) * dh :].view(t, hkv, dh)
-        cache.write(self.layer, meta.slot_mapping, k, v)
+        if self.kernels is not None:
+            self.kernels.write_kv(cache.kv[self.layer], meta.slot_mapping, k, v)
+        else:
+            cache.write(self.layer, meta.slot_mapping, k, v)
         if not meta.prefills and meta.decode_idx is not None and meta.decode_idx.numel() == t:
             out = self._decode(q, meta, cache, step)  # every token is a decode, in row order: no scatter
         else:
