@@ -212,13 +212,16 @@ class Attention(nn.Module):
         else:
             out = torch.empty_like(q)  # [T, H, Dh]
             for seq in meta.prefills:
-                out[seq.q_start : seq.q_start + seq.q_len] = self._prefill(q, k, v, seq, cache)
+                self._prefill(q, k, v, seq, cache, out[seq.q_start : seq.q_start + seq.q_len])
             if meta.decode_idx is not None:
                 out[meta.decode_idx] = self._decode(q[meta.decode_idx], meta, cache, step)
         y: Tensor = self.o_proj(out.reshape(t, -1))
         return y
 
-    def _prefill(self, q: Tensor, k_new: Tensor, v_new: Tensor, seq: PrefillSeq, cache: PagedKV) -> Tensor:
+    def _prefill(
+        self, q: Tensor, k_new: Tensor, v_new: Tensor, seq: PrefillSeq, cache: PagedKV, out: Tensor
+    ) -> None:
+        """Attention of one prefill chunk, written into `out` ([q_len, H, Dh], the chunk's rows of the step's)."""
         ctx, span = seq.start_pos + seq.q_len, slice(seq.q_start, seq.q_start + seq.q_len)
         if self.kernels is not None:
             # query i sees keys [0, start_pos + i]: the chunk's own K/V, or every page read back
@@ -226,21 +229,21 @@ class Attention(nn.Module):
                 k, v = k_new[span], v_new[span]
             else:
                 k, v = (t[:ctx] for t in cache.gather(self.layer, seq.pages))
-            out = torch.empty(seq.q_len, self.num_heads, self.head_dim, dtype=q.dtype, device=q.device)
             self.kernels.prefill_attention(out, q[span], k, v, self.scale)
-            return out
+            return
         qs = q[span].transpose(0, 1).unsqueeze(0)  # [1, H, q_len, Dh]
         if seq.start_pos == 0:  # a first chunk attends only to itself: its K/V as computed, no read-back
             k, v = k_new[span].transpose(0, 1).unsqueeze(0), v_new[span].transpose(0, 1).unsqueeze(0)
             o = F.scaled_dot_product_attention(qs, k, v, is_causal=True, scale=self.scale, enable_gqa=True)
-            return o[0].transpose(0, 1)  # [q_len, H, Dh]
+            out.copy_(o[0].transpose(0, 1))
+            return
         k, v = cache.gather(self.layer, seq.pages)  # [n*S, Hkv, Dh]
         k, v = k[:ctx].transpose(0, 1).unsqueeze(0), v[:ctx].transpose(0, 1).unsqueeze(0)  # [1, Hkv, ctx, Dh]
         # causal with an offset: query i sees keys [0, start_pos + i]
         rows = torch.arange(seq.q_len, device=q.device).unsqueeze(1) + seq.start_pos
         mask = torch.arange(ctx, device=q.device).unsqueeze(0) <= rows
         o = F.scaled_dot_product_attention(qs, k, v, attn_mask=mask, scale=self.scale, enable_gqa=True)
-        return o[0].transpose(0, 1)  # [q_len, H, Dh]
+        out.copy_(o[0].transpose(0, 1))
 
     def _decode(self, q: Tensor, meta: AttentionMetadata, cache: PagedKV, step: StepTensors) -> Tensor:
         """One query token per row over its whole block table, all rows at once. With the C++ kernel, read in
