@@ -121,15 +121,31 @@ def prefill_reference(q, k, v, scale):
 @pytest.mark.parametrize(
     "q_len,k_len,heads,kv_heads,head_dim",
     [(196, 196, 9, 3, 64), (7, 30, 4, 2, 32), (1, 1, 4, 4, 16), (50, 50, 6, 1, 48), (100, 300, 8, 2, 128),
-     (65, 65, 4, 2, 64)],
+     (65, 65, 4, 2, 64), (33, 41, 4, 2, 256), (20, 20, 2, 1, 80)],
 )  # fmt: skip
 def test_prefill_attention_matches_float32(q_len, k_len, heads, kv_heads, head_dim):
     """A first chunk (k_len == q_len) and later chunks (keys before the chunk), key blocks of 16 and groups
-    of 64 cut anywhere, the register path (Dh of 64, 128) and the generic one."""
+    of four blocks cut anywhere, odd and even chunk lengths, and head sizes of one to sixteen 16-float vectors
+    (256: two passes of 128 dimensions)."""
     q, k, v = prefill_case(q_len, k_len, heads, kv_heads, head_dim)
     out = torch.empty(q_len, heads, head_dim, dtype=torch.bfloat16)
     OPS.prefill_attention(out, q, k, v, head_dim**-0.5)
     torch.testing.assert_close(out.float(), prefill_reference(q, k, v, head_dim**-0.5), atol=1e-2, rtol=1e-2)
+
+
+@pytest.mark.parametrize(("q_len", "k_len", "bad"), [(40, 41, 40), (40, 40, 20), (39, 45, 6), (40, 42, 7)])
+def test_prefill_attention_never_lets_a_query_see_past_its_keys(q_len, k_len, bad):
+    """NaN in one key and value: exactly the queries that see that key turn NaN (pairs of keys and tiles of two
+    queries split anywhere), every other output is unchanged."""
+    q, k, v = prefill_case(q_len, k_len, 4, 2, 64, seed=2)
+    clean = torch.empty(q_len, 4, 64, dtype=torch.bfloat16)
+    OPS.prefill_attention(clean, q, k, v, 0.125)
+    k, v = k.clone(), v.clone()
+    k[bad], v[bad] = float("nan"), float("nan")
+    out = torch.empty_like(clean)
+    OPS.prefill_attention(out, q, k, v, 0.125)
+    first = max(0, bad - (k_len - q_len))  # query i sees keys 0 .. k_len - q_len + i
+    assert torch.equal(out[:first], clean[:first]) and torch.isnan(out[first:]).all()
 
 
 def test_prefill_attention_is_causal_and_refuses_bad_shapes():

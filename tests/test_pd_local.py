@@ -200,3 +200,15 @@ def test_pd_logprobs_include_the_token_sampled_by_prefill(tiny_model):
     assert len(got) == len(expected) == 5
     for (c1, top1), (c2, top2) in zip(got, expected, strict=True):
         assert abs(c1 - c2) < 1e-4 and [t for t, _ in top1] == [t for t, _ in top2]
+
+
+def test_a_stale_abort_leaves_an_idle_engine_idle(tiny_model):
+    """Aborts of requests that already ended (a client that left after its answer) reach PD workers often; they
+    must not make an engine with nothing to do look steppable, or its worker loops without waiting and keeps
+    the other worker on half the cores."""
+    engine = make_engine(tiny_model)
+    engine.add_request([5, 6, 7], SamplingParams(max_tokens=2, temperature=0.0), request_id="done")
+    run_all(engine)
+    engine.abort("done")
+    engine.abort("never-seen")
+    assert not engine.has_unfinished() and not engine.has_steppable()

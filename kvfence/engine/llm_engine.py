@@ -128,6 +128,7 @@ class LLMEngine:
         self._lock = threading.Lock()
         self._inbox: list[Request] = []
         self._reads: tuple[list[Scheduled], StepReads] | None = None  # this step's I1 arrays (engine thread)
+        self._blocked = False  # the last step had requests but could schedule none (engine thread)
         self._aborts: set[RequestId] = set()
         self._requests: dict[RequestId, Request] = {}  # engine thread only
         self._live_ids: set[RequestId] = set()  # under _lock: every id from admission until the request ends
@@ -189,7 +190,8 @@ class LLMEngine:
     def abort(self, request_id: str) -> None:
         """Abort a request at any time; takes effect between steps. Unknown or finished ids are ignored."""
         with self._lock:
-            self._aborts.add(RequestId(request_id))
+            if request_id in self._live_ids:  # a stale abort must not make an idle engine look steppable
+                self._aborts.add(RequestId(request_id))
 
     def has_unfinished(self) -> bool:
         """True while any admitted request has not ended (queued, running, or in a PD transfer)."""
@@ -197,11 +199,12 @@ class LLMEngine:
             return bool(self._live_ids)
 
     def has_steppable(self) -> bool:
-        """True while a step could run a forward: requests queued or in the scheduler. Requests that only wait
-        on a PD transfer (frames, an ack) are not steppable; a PD worker waits on its sockets for them instead
-        of stepping an empty engine in a loop."""
+        """True while a step could run a forward: requests queued or in the scheduler, and the last step did
+        not find them all blocked (no pages free). Requests that only wait on a PD transfer (frames, an ack)
+        are not steppable; a PD worker waits on its sockets for them, and for pages to come free, instead of
+        stepping in a loop. A request that arrives clears the blocked state."""
         with self._lock:
-            return bool(self._inbox or self._aborts) or self.scheduler.num_unfinished > 0
+            return bool(self._inbox) or (self.scheduler.num_unfinished > 0 and not self._blocked)
 
     def set_step_threads(self, threads: int) -> None:
         """Torch threads for the next steps, of every kind (a PD worker sharing its host's cores). Engine thread
@@ -290,6 +293,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         outputs = self._drain_inbox()
         scheduled = self.scheduler.schedule()
+        self._blocked = not scheduled
         if not scheduled:
             return outputs
         scheduled, failed = self._verify(scheduled, after_step=False)
@@ -320,6 +324,7 @@ class LLMEngine:
             ]
         finally:
             self.pool.unhold(held)
+            self._reads = None
         self.stats.steps += 1
         self.stats.tokens_computed += plan.num_tokens
         self.scheduler.postprocess(scheduled, result.sampled)

@@ -21,8 +21,8 @@ def add_worker_commands(sub: argparse._SubParsersAction) -> None:  # type: ignor
         add_timeout_args(p)
         p.add_argument(
             "--share-cores", default=None, metavar="PATH",
-            help="a file made by `serve --mode pd` (kvfence/pd/cores.py): step on --max-threads while the "
-            "other worker on this host has nothing to step, on --threads while it has",
+            help="a file shared with the other worker on this host (kvfence/pd/cores.py; made if missing): step on "
+            "--max-threads while it has nothing to step, on --threads while it has (--decode-threads unused)",
         )  # fmt: skip
         p.add_argument(
             "--max-threads", type=int, default=None, help="threads when alone (with --share-cores)"
@@ -47,6 +47,10 @@ def run_worker(args: argparse.Namespace) -> int:
     from kvfence.server.preflight import Verdict
 
     config = engine_config_from_args(args)
+    cores = None
+    if args.share_cores:  # before the model loads: a bad thread count fails at once
+        threads = args.threads or 1
+        cores = CoreShare(Path(args.share_cores), args.role, threads, args.max_threads or threads)
     report, loaded = run_preflight(config, args)  # I6: a worker whose pool cannot hold its context refuses
     if not report.can_start:
         return 1
@@ -60,10 +64,6 @@ def run_worker(args: argparse.Namespace) -> int:
     engine = LLMEngine(config, loaded)
     del loaded
     return_freed_memory()
-    cores = None
-    if args.share_cores:
-        threads = args.threads or 1
-        cores = CoreShare(Path(args.share_cores), args.role, threads, args.max_threads or threads)
     worker: PrefillWorker | DecodeWorker
     if args.role == "prefill":
         worker = PrefillWorker(

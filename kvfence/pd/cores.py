@@ -8,8 +8,9 @@ on its own `threads`. A worker that turns busy while another runs a wide step ov
 one step. Nothing here touches pages or requests: the file only sets thread counts, so a stale or torn read costs
 speed, never isolation.
 
-Slots: one byte per worker, claimed by role (prefill 0, decode 1). The file is made by `serve --mode pd`
-(or by hand with `kvfence prefill|decode --share-cores PATH`).
+Slots: one byte per worker, claimed by role (prefill 0, decode 1). The file is made by `serve --mode pd`, or by
+the first of two workers started by hand with the same `--share-cores PATH`. A worker that dies without closing
+(kill -9) leaves its byte set: the other then keeps to its own share until the file is made anew.
 """
 
 from __future__ import annotations
@@ -35,8 +36,10 @@ class CoreShare:
         self.slot = ROLE_SLOTS[role]
         self.threads = threads
         self.max_threads = max_threads
-        fd = os.open(path, os.O_RDWR)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)  # by hand, the first worker makes it
         try:
+            if os.fstat(fd).st_size < SLOTS:
+                os.ftruncate(fd, SLOTS)  # zero bytes: every slot idle
             self._map = mmap.mmap(fd, SLOTS)
         finally:
             os.close(fd)

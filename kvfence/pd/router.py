@@ -176,16 +176,22 @@ class RouterCore:
         if op == "register":
             self._register(identity, msg)
         elif op == "output":
-            self._on_output(control.output_from_json(msg))
+            self._on_output(control.output_from_json(msg), identity)
         elif op == "heartbeat":
             self._on_heartbeat(msg)
         elif op == "error":
             self._on_error(identity, RequestId(msg["request_id"]), msg["code"])
 
-    def _on_output(self, out: RequestOutput) -> None:
+    def _on_output(self, out: RequestOutput, sender: bytes) -> None:
         routed = self._routed.get(out.request_id)
         if routed is None or routed.done:
             return
+        if (
+            sender == routed.prefill
+            and sender != routed.decode
+            and (out.finished or out.num_output_tokens != 1)
+        ):
+            return  # a prefill worker speaks for the first token only; the rest is decode's
         out = _unseen(routed, out)
         routed.done = out.finished
         routed.on_output(out)

@@ -98,7 +98,7 @@ def cmd_serve_pd(args: argparse.Namespace) -> int:
 def _workers(router: Router, args: argparse.Namespace) -> Iterator[list[subprocess.Popen[bytes]]]:
     from kvfence.engine.config import resolve_dtype
 
-    total = args.threads or os.cpu_count() or 2
+    total = args.threads or _usable_cpus()
     threads = str(max(1, total // 2))  # two workers share this machine's cores
     dtype = resolve_dtype(args.dtype, args.device)  # here, so both workers get the same concrete dtype
     common = ["--router", router.addr, "--model", args.model, "--dtype", dtype, "--device", args.device,
@@ -139,6 +139,13 @@ def _workers(router: Router, args: argparse.Namespace) -> Iterator[list[subproce
         reap(procs)
         if share is not None:
             share.unlink(missing_ok=True)
+
+
+def _usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity mask where the OS has one)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 2
 
 
 def reap(procs: Sequence[subprocess.Popen[bytes]], terminate: bool = False, grace_s: float = 30.0) -> None:

@@ -87,29 +87,31 @@ class Worker:
         beat = threading.Thread(target=self._heartbeats, name="kvfence-heartbeat", daemon=True)
         beat.start()
         steppable = False
-        while self.running:
-            # While only transfers are outstanding, wait on the sockets: a frame or an ack wakes the poll. A
-            # loop of empty steps here took a core from the other worker (docs/performance.md, session 8).
-            for sock, _ in self.poller.poll(0 if steppable else IDLE_POLL_MS):
-                self._drain(sock)  # before the silence check: pings queued during a long step count
-            silence = ROUTER_SILENCE_S if self.registered else REGISTRATION_WAIT_S
-            if time.monotonic() - self.last_router_msg > silence:
-                log.error(
-                    "%s worker: the router has been silent for %.0f s; exiting", self.role.name, silence
-                )
-                break
-            if self.cores is not None:
-                self.engine.set_step_threads(self.cores.step_threads(self.engine.has_steppable()))
-            steppable = self.role.step()
-            if self.cores is not None:
-                self.cores.publish(steppable)
-            self.role.on_tick()
-            now = time.monotonic()
-            if now - self._beat_at >= HEALTH_REFRESH_S:  # pool stats cost ~5% of a decode worker per step
-                self._beat, self._beat_at = self._health(), now
-        self.running = False
-        beat.join()
-        self.close()
+        try:
+            while self.running:
+                # While only transfers are outstanding, wait on the sockets: a frame or an ack wakes the poll. A
+                # loop of empty steps here took a core from the other worker (docs/performance.md, session 8).
+                for sock, _ in self.poller.poll(0 if steppable else IDLE_POLL_MS):
+                    self._drain(sock)  # before the silence check: pings queued during a long step count
+                silence = ROUTER_SILENCE_S if self.registered else REGISTRATION_WAIT_S
+                if time.monotonic() - self.last_router_msg > silence:
+                    log.error(
+                        "%s worker: the router has been silent for %.0f s; exiting", self.role.name, silence
+                    )
+                    break
+                if self.cores is not None:
+                    self.engine.set_step_threads(self.cores.step_threads(self.engine.has_steppable()))
+                steppable = self.role.step()
+                if self.cores is not None:
+                    self.cores.publish(steppable)
+                self.role.on_tick()
+                now = time.monotonic()
+                if now - self._beat_at >= HEALTH_REFRESH_S:  # pool stats cost ~5% of a decode worker per step
+                    self._beat, self._beat_at = self._health(), now
+        finally:  # also on an exception: the other worker must not see this one busy for good
+            self.running = False
+            beat.join()
+            self.close()
 
     def _health(self) -> dict[str, Any]:
         """What every heartbeat carries: the pool's page counts and the integrity failures so far (the router's

@@ -395,7 +395,8 @@ void write_kv(torch::Tensor kv, torch::Tensor slots, torch::Tensor k, torch::Ten
 // dots); V in pairs of keys, each lane one dim of two keys (one dpbf16: 16 dims of two keys' weighted sum).
 // Queries go two at a time, so one load of K or V feeds both. Softmax in float32; the probabilities are rounded
 // to bfloat16 for the weighted sum of V (as flash attention does on GPUs), except a key whose pair partner the
-// query does not see, which goes through float32 on its own: no query ever multiplies a key it cannot see. The
+// query does not see, which goes through float32 on its own. Scores are computed in whole blocks of 16 keys,
+// past what a query sees, and thrown away: no unseen key's probability or value enters a query's sum. The
 // work is split in units of one head and two tiles from opposite ends of the chunk, which cost about the same
 // under the causal mask, so two threads get equal shares of 9 heads (docs/performance.md, session 8).
 
