@@ -194,8 +194,8 @@ def build_parser() -> argparse.ArgumentParser:
 # environment wins. PD workers inherit it from `serve --mode pd`.
 ONEDNN_CACHE_ENTRIES = "64"
 # torch's own cache in front of oneDNN's (ideep's, per thread, 1,024 entries by default) keeps, per distinct
-# input shape of every linear layer, about 0.6 MB: RSS grew by some 10 MB per W1 with new prompt lengths and
-# never stopped (docs/performance.md, session 8). A miss finds the primitive in oneDNN's cache above.
+# input shape of every linear layer, about 0.7 MB: RSS grew by some 10 MB per W1 with new prompt lengths, with
+# room for hundreds of MB more (docs/performance.md, session 8). A miss finds the primitive in oneDNN's cache.
 TORCH_LINEAR_CACHE_ENTRIES = "32"
 
 

@@ -117,7 +117,7 @@ class StepReads:
     it (when the pages the step wrote must carry their writer's tag). Nothing changes a block table during a
     step, so only the expected tags differ between the two. The check after the pass runs on caches the pass
     has just emptied, where each Python and numpy call costs several times its warm price; with the arrays
-    ready it is two gathers and two byte comparisons (127 to about 40 us for 8 rows of 15 pages,
+    ready it is two gathers and two byte comparisons (148 to 32 us for 8 rows of 15 pages,
     docs/performance.md). A mismatch falls back to `check_reads`, which finds the failing page of each row."""
 
     __slots__ = ("_expected", "after", "before", "leases", "pages")
