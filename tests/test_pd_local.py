@@ -212,3 +212,32 @@ def test_a_stale_abort_leaves_an_idle_engine_idle(tiny_model):
     engine.abort("done")
     engine.abort("never-seen")
     assert not engine.has_unfinished() and not engine.has_steppable()
+
+
+def test_a_stop_string_inside_the_first_token_ends_the_request_as_colocated(tiny_model):
+    """The first token is sampled on the prefill side, which has handed the request to its transfer: it must
+    leave the stop string to decode (it used to end the handed-off request there, and the transfer then never
+    came: a hang here, a transfer timeout over ZeroMQ)."""
+    ps = prompts(tiny_model, 6, seed=3)
+    base = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    colocated = make_engine(tiny_model)
+    for i, p in enumerate(ps):
+        colocated.add_request(p, base, request_id=f"r{i}")
+    first_chars = {k: v.text[:1] for k, v in run_all(colocated).items() if v.text[:1].strip()}
+    assert len(first_chars) >= 3
+    reference = make_engine(tiny_model)
+    pair = LocalPDPair(make_engine(tiny_model, kv_pages=40), make_engine(tiny_model, kv_pages=64), window=2)
+    for i, p in enumerate(ps):
+        rid = f"r{i}"
+        params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, stop=(first_chars[rid],)) \
+            if rid in first_chars else base  # fmt: skip
+        reference.add_request(p, params, request_id=rid)
+        pair.add_request(p, params, rid)
+    expected = {k: (v.text, v.finish_reason) for k, v in run_all(reference).items()}
+    got = {}
+    for _ in range(500):  # bounded: the old behaviour never finishes
+        if not pair.has_unfinished():
+            break
+        got.update({out.request_id: (out.text, out.finish_reason) for out in pair.step() if out.finished})
+    assert got == expected
+    assert sum(reason == "stop" for _, reason in got.values()) == len(first_chars)

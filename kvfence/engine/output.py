@@ -77,7 +77,9 @@ class OutputProcessor:
             st.cut = _find_stop(st.detok.text, stops, start=max(0, st.emitted - max(map(len, stops))))
             if st.cut is not None and request.state.terminal:
                 request.finish_reason = "stop"
-            elif st.cut is not None:
+            elif st.cut is not None and not request.prefill_only:
+                # a PD prefill has handed the request to its transfer: the decode side, which gets the same
+                # first token, finds the same stop string and ends the request there
                 scheduler.finish(request, RequestState.FINISHED, "stop")
         text = st.detok.text if st.cut is None else st.detok.text[: st.cut]
         visible = len(text) if request.state.terminal else len(text) - _held_back(text, stops)
