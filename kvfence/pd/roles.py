@@ -209,12 +209,9 @@ class PrefillRole(Role):
         for out in outputs:
             if out.logprobs and not out.finished:  # the first token's, for the final frame
                 self.first_logprobs[out.request_id] = out.logprobs[-1]
-            if (
-                not out.finished and out.new_token_ids
-            ):  # the first token: the client sees it now, not after the
-                self.transport.send_control(
-                    "output", **control.output_to_json(out)
-                )  # transfer (router dedupes)
+            if not out.finished and out.new_token_ids:
+                # the first token: the client sees it now, not after the transfer (the router dedupes)
+                self.transport.send_control("output", **control.output_to_json(out))
             if out.finished and out.error_code is not None:  # failed in prefill: tell the client and decode
                 self.send_error(out.request_id, out.error_code, "prefill failed", 500)
                 o = self.out.pop(out.request_id, None)

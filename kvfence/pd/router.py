@@ -54,9 +54,8 @@ class _Routed:
     decode: bytes
     on_output: OnOutput
     done: bool = False
-    sent_tokens: int = (
-        0  # output tokens the client has been given (the first may come from the prefill worker)
-    )
+    # output tokens and text the client has been given (the first token may come from the prefill worker)
+    sent_tokens: int = 0
     sent_text: str = ""
 
 
