@@ -3,6 +3,8 @@ client each token and each character once, although the decode worker's outputs 
 
 from __future__ import annotations
 
+from dataclasses import asdict
+
 from kvfence.engine.output import RequestOutput
 from kvfence.ids import RequestId
 from kvfence.pd.router import _Routed, _unseen
@@ -43,3 +45,32 @@ def test_text_the_decode_worker_still_holds_back_is_not_repeated_later():
     prefill = output([7], 1, "wh", "wh")
     decode = [output([7, 8], 2, "", ""), output([7, 8, 9], 1, "wh\u00e9x", "wh\u00e9x", finished=True)]
     assert client_view([prefill, *decode]) == ([7, 8, 9], "wh\u00e9x", 3)
+
+
+def test_the_router_takes_only_a_first_token_from_a_prefill_worker():
+    """A prefill worker's output counts only as the first token, unfinished; anything else it claims (a second
+    token, a finished answer) is dropped, and decode's outputs go through."""
+    from kvfence.engine.request import SamplingParams
+    from kvfence.pd.router import RouterCore
+
+    core = RouterCore()
+    core._send = lambda *a, **kw: None  # type: ignore[method-assign]  # no sockets here
+    fp = {"layout": "l", "vocab_size": 10}
+    core.on_message(b"P", {"op": "register", "role": "prefill", "fingerprint": fp})
+    core.on_message(b"D", {"op": "register", "role": "decode", "fingerprint": fp})
+    seen: list[RequestOutput] = []
+    core.route([1, 2, 3], SamplingParams(max_tokens=3), RequestId("r"), "t", seen.append)
+
+    def send(sender: bytes, out: RequestOutput) -> None:
+        core.on_message(sender, {"op": "output", **asdict(out)})
+
+    send(b"P", output([7, 8], 1, "ab", "b"))  # not a first token: dropped
+    send(b"P", output([7], 1, "a", "a"))
+    send(b"P", output([7], 1, "a", "a", finished=True))  # a prefill worker does not finish requests
+    send(b"D", output([7, 8], 2, "ab", "ab"))
+    send(b"D", output([7, 8, 9], 1, "abc", "c", finished=True))
+    assert [(o.new_token_ids, o.new_text, o.finished) for o in seen] == [
+        ((7,), "a", False),
+        ((8,), "b", False),
+        ((9,), "c", True),
+    ]

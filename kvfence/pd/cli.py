@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from pathlib import Path
 
-from kvfence.cli import add_engine_args, engine_config_from_args
+from kvfence.cli import add_engine_args, engine_config_from_args, process_defaults
 from kvfence.pd.serve import add_timeout_args
 from kvfence.server.launch import add_server_args
 
@@ -94,6 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kvfence")
     add_worker_commands(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(argv)
+    process_defaults(os.environ)  # as `kvfence prefill|decode` does: the caches' caps, before any step
     return int(args.func(args))
 
 
