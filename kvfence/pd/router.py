@@ -185,11 +185,7 @@ class RouterCore:
         routed = self._routed.get(out.request_id)
         if routed is None or routed.done:
             return
-        if (
-            sender == routed.prefill
-            and sender != routed.decode
-            and (out.finished or out.num_output_tokens != 1)
-        ):
+        if sender == routed.prefill and (out.finished or out.num_output_tokens != 1):
             return  # a prefill worker speaks for the first token only; the rest is decode's
         out = _unseen(routed, out)
         routed.done = out.finished
