@@ -31,7 +31,7 @@ from torch import Tensor, nn
 
 from kvfence.model import hugepages, kernels
 from kvfence.model.config import ModelConfig
-from kvfence.model.loader import QuantBlocks
+from kvfence.model.loader import QuantBlocks, QuantPanels
 
 T = TypeVar("T")
 
@@ -404,11 +404,15 @@ class PackedLinear(nn.Module):
     results as `F.linear` (bit for bit in our tests), which reorders the weight on every call: 1.7-1.9x faster
     for the few rows of a decode step, the same for a long prefill (docs/performance.md).
 
-    When the GGUF stored this weight as Q4_1 or Q8_0 blocks and the C++ kernels run, `quant` holds those blocks
-    and inputs of at most `QUANT_MAX_ROWS` rows (decode steps) are multiplied by them directly: a decode step
-    reads its weights from memory once, and the blocks are a third of the bytes (Q4_1)."""
+    When the GGUF stored this weight as Q4_1 or Q8_0 blocks and the C++ kernels run, every step multiplies by
+    those blocks instead (`attach_quantized`): by default `panels` holds them repacked for `panel_linear`, which
+    quantizes the activations to int8 per block of 32 as llama.cpp does (AVX512-VNNI), for any row count, and the
+    bfloat16 weight is dropped. With `KVFENCE_INT8=0`, `quant` holds them as the GGUF stores them and inputs of at
+    most `QUANT_MAX_ROWS` rows (decode steps) are multiplied by them with bfloat16 activations, more rows by the
+    bfloat16 weight. Either way a decode step reads a third of the bytes (Q4_1)."""
 
     quant: QuantBlocks | None = None
+    panels: QuantPanels | None = None
     kernels: ModuleType | None = None
 
     def __init__(self, linear: nn.Linear) -> None:
@@ -429,6 +433,15 @@ class PackedLinear(nn.Module):
         )
 
     def forward(self, x: Tensor) -> Tensor:
+        p = self.panels
+        if p is not None and self.kernels is not None:
+            rows = x.reshape(-1, self.in_features)
+            fine = rows.shape[0] <= FINE_MAX_ROWS
+            if fine or self.packed_weight.numel() == 0:
+                out: Tensor = self.kernels.panel_linear(
+                    rows, p.wp, p.d, p.m, p.kind_id, p.n, 2 if fine else 1
+                )
+                return out.view(*x.shape[:-1], p.n)
         q = self.quant
         if (
             q is not None
@@ -442,6 +455,10 @@ class PackedLinear(nn.Module):
         return y
 
 
+# Rows up to which `panel_linear` quantizes activations in two int8 levels, finer than bfloat16: a step of so few
+# rows is bound by reading the weights, so the second level's multiplies are about free. More rows take one level
+# (llama.cpp's precision, faster than oneDNN's bfloat16), or oneDNN with `KVFENCE_INT8=decode`.
+FINE_MAX_ROWS = 8
 DECODE_ROWS_HINT = 8  # oneDNN picks the packed layout for this many rows; any row count works
 # rows up to which the quantized-block kernels beat oneDNN on bfloat16 weights (docs/performance.md)
 QUANT_MAX_ROWS = {"Q4_1": 6, "Q8_0": 2}
@@ -458,8 +475,10 @@ def fuse_quantized(quantized: Mapping[str, QuantBlocks], cfg: ModelConfig) -> di
 
 
 def attach_quantized(model: nn.Module, quantized: Mapping[str, QuantBlocks], ops: ModuleType) -> None:
-    """Give each bias-free PackedLinear its weight's blocks, when they have its shape. Every decode step streams
-    all of them, so they move into one buffer on huge pages (`hugepages.pack`)."""
+    """Give each bias-free PackedLinear its weight's blocks, when they have its shape: as panels for int8
+    activations (the default where the CPU has AVX512-VNNI; the bfloat16 weight is then dropped), or as the GGUF
+    lays them out for bfloat16 activations (`KVFENCE_INT8=0`). Every decode step streams all of them, so they
+    move into one buffer on huge pages (`hugepages.pack`)."""
     takers: list[tuple[PackedLinear, QuantBlocks]] = []
     for name, module in model.named_modules():
         blocks = quantized.get(name + ".weight")
@@ -470,6 +489,15 @@ def attach_quantized(model: nn.Module, quantized: Mapping[str, QuantBlocks], ops
             and blocks.shape == (module.out_features, module.in_features)
         ):
             takers.append((module, blocks))
+    if kernels.int8_enabled() and ops.panel_vnni():
+        panels = [blocks.panels() for _, blocks in takers]
+        placed = iter(hugepages.pack([t for p in panels for t in (p.wp, p.d, p.m)]))
+        for (module, _), p in zip(takers, panels, strict=True):
+            module.panels = QuantPanels(p.kind, p.n, next(placed), next(placed), next(placed))
+            module.kernels = ops
+            if not kernels.int8_decode_only():  # every step takes the panels: the bfloat16 weight goes
+                module.packed_weight = torch.empty(0, dtype=module.packed_weight.dtype)
+        return
     placed = iter(hugepages.pack([t for _, b in takers for t in (b.qs, b.d, b.m)]))
     for module, blocks in takers:
         module.quant = QuantBlocks(blocks.kind, next(placed), next(placed), next(placed))

@@ -32,7 +32,15 @@ from kvfence.model.tokenizer import ModelLoadError, Tokenizer
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["LoadedModel", "ModelLoadError", "QuantBlocks", "expected_shapes", "load_model", "load_tokenizer"]
+__all__ = [
+    "LoadedModel",
+    "ModelLoadError",
+    "QuantBlocks",
+    "QuantPanels",
+    "expected_shapes",
+    "load_model",
+    "load_tokenizer",
+]
 
 # GGUF per-layer tensor suffix -> Hugging Face per-layer suffix.
 _GGUF_LAYER = {
@@ -63,6 +71,7 @@ _HF_ARCHS = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen
 
 
 QBLOCK = 32  # weights per Q4_1 / Q8_0 block, along a row
+PANEL = 16  # output columns per panel of `QuantPanels`
 _BLOCK_BYTES = {"Q4_1": 20, "Q8_0": 34}  # Q4_1: fp16 d, fp16 m, 16 bytes of nibbles; Q8_0: fp16 d, 32 int8
 
 
@@ -108,6 +117,34 @@ class QuantBlocks:
             m,
         )
 
+    def panels(self) -> QuantPanels:
+        """The same blocks repacked for `panel_linear` (int8 activations, kvfence/model/kernels): panels of 16
+        output columns, one column per 32-bit lane, blocks of each panel one after another along K. Q4_1: 4 groups
+        of 64 bytes per block, byte i of a lane's group g holding q[8g + i] | q[8g + 4 + i] << 4; Q8_0: 8 groups,
+        byte i holding q[4g + i] + 128. d and m become [panels, K/32, 16]; columns past N are zero."""
+        n, k = self.shape
+        nb, panels = k // QBLOCK, -(-n // PANEL)
+        pad = panels * PANEL - n
+        if self.kind == "Q4_1":
+            packed = self.qs.numpy().reshape(n, nb, 16)
+            q = np.concatenate([packed & 0x0F, packed >> 4], axis=2)  # [n, nb, 32] in 0..15
+            q = np.pad(q, ((0, pad), (0, 0), (0, 0))).reshape(panels, PANEL, nb, 4, 2, 4)  # k = 8g + 4h + i
+            nibbles = q[:, :, :, :, 0, :] | (q[:, :, :, :, 1, :] << 4)  # [panels, lane, nb, g, i]
+            wp = nibbles.transpose(0, 2, 3, 1, 4)  # [panels, nb, g, lane, i]
+        else:
+            q = (self.qs.numpy().view(np.int8).astype(np.int16) + 128).astype(np.uint8)
+            q = np.pad(q.reshape(n, nb, 8, 4), ((0, pad), (0, 0), (0, 0), (0, 0)))
+            wp = q.reshape(panels, PANEL, nb, 8, 4).transpose(0, 2, 3, 1, 4)
+
+        def scales(t: torch.Tensor) -> torch.Tensor:
+            a = np.pad(t.numpy(), ((0, pad), (0, 0))).reshape(panels, PANEL, nb).transpose(0, 2, 1)
+            return torch.from_numpy(np.ascontiguousarray(a))
+
+        m = scales(self.m) if self.kind == "Q4_1" else torch.zeros((0,), dtype=torch.float16)
+        return QuantPanels(
+            self.kind, n, torch.from_numpy(np.ascontiguousarray(wp).reshape(-1)), scales(self.d), m
+        )
+
     @staticmethod
     def cat(parts: Sequence[QuantBlocks]) -> QuantBlocks | None:
         """The rows of `parts` one after another (a fused projection); None unless all are of one kind."""
@@ -117,6 +154,22 @@ class QuantBlocks:
         return QuantBlocks(
             parts[0].kind, torch.cat([p.qs for p in parts]), torch.cat([p.d for p in parts]), m
         )
+
+
+@dataclass(frozen=True)
+class QuantPanels:
+    """A linear weight's blocks laid out for `panel_linear` (`QuantBlocks.panels`): `wp` the repacked quants,
+    `d` and `m` [ceil(N/16), K/32, 16] float16 (`m` empty for Q8_0), `n` the number of output columns."""
+
+    kind: str
+    n: int
+    wp: torch.Tensor
+    d: torch.Tensor
+    m: torch.Tensor
+
+    @property
+    def kind_id(self) -> int:
+        return 0 if self.kind == "Q4_1" else 1
 
 
 @dataclass

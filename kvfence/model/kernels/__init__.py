@@ -43,6 +43,18 @@ def quant_enabled() -> bool:
     return os.environ.get("KVFENCE_QUANT_KERNELS", "1") != "0"
 
 
+def int8_enabled() -> bool:
+    """Linear layers on the GGUF's blocks take int8 activations per block of 32 (`panel_linear`); off
+    (`KVFENCE_INT8=0`), they take bfloat16 activations for decode steps and oneDNN runs the rest."""
+    return os.environ.get("KVFENCE_INT8", "1") != "0"
+
+
+def int8_decode_only() -> bool:
+    """`KVFENCE_INT8=decode`: int8 activations only for steps of few rows (two levels, finer than bfloat16);
+    longer steps (prefills) run oneDNN on the bfloat16 weights, which then stay loaded."""
+    return os.environ.get("KVFENCE_INT8", "1") == "decode"
+
+
 def supports(head_dim: int) -> bool:
     """Shapes the kernels take: head dimensions in whole 16-float vectors."""
     return head_dim % 16 == 0
