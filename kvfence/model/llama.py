@@ -411,6 +411,7 @@ class PackedLinear(nn.Module):
     most `QUANT_MAX_ROWS` rows (decode steps) are multiplied by them with bfloat16 activations, more rows by the
     bfloat16 weight. Either way a decode step reads a third of the bytes (Q4_1)."""
 
+    packed_weight: Tensor  # empty once every step takes the panels
     quant: QuantBlocks | None = None
     panels: QuantPanels | None = None
     kernels: ModuleType | None = None
