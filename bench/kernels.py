@@ -3,20 +3,26 @@
     python bench/kernels.py [--threads N] [--reps 8] [--quant-max-rows R]
 
 Loads the default model in bfloat16, builds plans (8, 4 and 1 decode rows at context 230, one 196-token prefill;
-pages scattered over a 2,048-page pool) and runs each three ways in rotating blocks, so that machine noise falls
-on all alike:
-  - kernels: everything the server runs, the linear layers of a step of few rows on the GGUF's Q4_1/Q8_0 blocks;
-  - kernels, bf16 weights: the same kernels, but every linear layer on the bfloat16 weights (oneDNN);
+pages scattered over a 2,048-page pool) and runs each of these in rotating blocks, so that machine noise falls on
+all alike:
+  - int8 all: every linear layer on the GGUF's Q4_1/Q8_0 blocks with int8 activations (`panel_linear`: two
+    levels up to 8 rows, one level beyond; KVFENCE_INT8=all);
+  - int8 decode: the server's default, the same up to 8 rows, oneDNN on the bfloat16 weights beyond;
+  - bf16 activations: the blocks with bfloat16 activations for steps of few rows (`quant_linear`, up to
+    QUANT_MAX_ROWS), oneDNN beyond (KVFENCE_INT8=0);
+  - bf16 weights: the same kernels, every linear layer on the bfloat16 weights (KVFENCE_QUANT_KERNELS=0);
   - torch: no C++ kernels (KVFENCE_KERNELS=0).
-Prints the median step time of each and the ratios to torch. --quant-max-rows moves the row count up to which the
-blocks are used (the crossover this benchmark measures). Needs the kernels (`python -m kvfence.model.kernels`).
+Prints the median step time of each and the ratios to torch. --quant-max-rows moves the row count up to which
+`quant_linear` is used. Needs the kernels (`python -m kvfence.model.kernels`).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import statistics
+import sys
 import time
 
 import torch
@@ -28,7 +34,8 @@ from kvfence.engine.request import SamplingParams
 from kvfence.ids import LeaseId, PageId, RequestId
 from kvfence.model import llama
 from kvfence.model.fetch import DEFAULT_MODEL_PATH
-from kvfence.model.llama import MLP, Attention, LlamaForCausalLM, PackedLinear
+from kvfence.model.llama import MLP, Attention, LlamaForCausalLM, PackedLinear, fuse_quantized
+from kvfence.model.loader import load_model
 
 
 def plan(rng: random.Random, rows: int, new: int, ctx: int, pool_pages: int) -> Plan:
@@ -53,6 +60,7 @@ def main() -> None:
     config = EngineConfig(
         model=str(DEFAULT_MODEL_PATH), dtype="bfloat16", num_threads=args.threads, kv_pages=pool_pages
     )
+    os.environ["KVFENCE_INT8"] = "decode"  # keeps the bfloat16 weights: every variant runs on this one model
     runner = LLMEngine(config).runner
     model = runner.model
     ops = model.kernels
@@ -62,19 +70,31 @@ def main() -> None:
 
     if args.quant_max_rows is not None:
         llama.QUANT_MAX_ROWS = dict.fromkeys(llama.QUANT_MAX_ROWS, args.quant_max_rows)
-    linears = [m for m in model.modules() if isinstance(m, PackedLinear)]
-    blocks = {id(m): m.quant for m in linears}
+    loaded = load_model(config.model, dtype=torch.bfloat16)
+    fused = fuse_quantized(loaded.quantized, loaded.config)
+    linears = {name: m for name, m in model.named_modules() if isinstance(m, PackedLinear)}
+    panels = {name: m.panels for name, m in linears.items()}
+    blocks = {name: fused.get(name + ".weight") for name in linears}
     if not any(blocks.values()):
-        print("note: this model has no Q4_1/Q8_0 blocks; the first two columns are the same")
+        print("note: this model has no Q4_1/Q8_0 blocks; the first four columns are the same")
 
-    def use(kernels_on: bool, quant_on: bool) -> None:
+    def use(kernels_on: bool, linear: str) -> None:
         for m in model.modules():
             if isinstance(m, (Attention, MLP, LlamaForCausalLM)):
                 m.kernels = ops if kernels_on else None
-        for m in linears:
-            m.quant = blocks[id(m)] if quant_on else None
+        for name, m in linears.items():
+            m.panels = panels[name] if linear.startswith("int8") else None
+            m.panel_max_rows = sys.maxsize if linear == "int8 all" else llama.FINE_MAX_ROWS
+            m.quant = blocks[name] if linear == "bf16 activations" else None
+            m.kernels = ops
 
-    variants = {"kernels": (True, True), "kernels, bf16 weights": (True, False), "torch": (False, False)}
+    variants = {
+        "int8 all": (True, "int8 all"),
+        "int8 decode": (True, "int8 decode"),
+        "bf16 activations": (True, "bf16 activations"),
+        "bf16 weights": (True, "bf16 weights"),
+        "torch": (False, "bf16 weights"),
+    }
     rng = random.Random(0)
     plans = {
         "decode, 8 rows": (plan(rng, 8, 1, 230, pool_pages), 10),
@@ -86,11 +106,11 @@ def main() -> None:
     print(
         f"threads {args.threads}, {args.reps} rotations, blocks up to {llama.QUANT_MAX_ROWS} rows; median step ms"
     )
-    print(f"{'':20s}" + "".join(f"{n:>24s}" for n in names) + "   ratios to torch")
+    print(f"{'':20s}" + "".join(f"{n:>18s}" for n in names) + "   ratios to torch")
     for name, (step_plan, calls) in plans.items():
         times: dict[str, list[float]] = {n: [] for n in names}
         for rep in range(args.reps):
-            for v in names[rep % 3 :] + names[: rep % 3]:
+            for v in names[rep % len(names) :] + names[: rep % len(names)]:
                 use(*variants[v])
                 for _ in range(calls):
                     t0 = time.perf_counter()
@@ -98,8 +118,8 @@ def main() -> None:
                     times[v].append((time.perf_counter() - t0) * 1e3)
         med = {n: statistics.median(times[n]) for n in names}
         ratios = " ".join(f"{med[n] / med['torch']:.2f}" for n in names[:-1])
-        print(f"{name:20s}" + "".join(f"{med[n]:24.2f}" for n in names) + f"   {ratios}")
-    use(True, True)
+        print(f"{name:20s}" + "".join(f"{med[n]:18.2f}" for n in names) + f"   {ratios}")
+    use(True, "int8 decode")
 
 
 if __name__ == "__main__":

@@ -82,11 +82,11 @@ def test_loader_keeps_the_blocks_of_exactly_the_weights_it_dequantizes(tmp_path)
     assert load_model(f16, dtype=torch.bfloat16).quantized == {}
 
 
-@pytest.mark.parametrize("mode", ["0", "decode", "1"])
+@pytest.mark.parametrize("mode", ["0", "decode", "all"])
 def test_bfloat16_model_multiplies_by_the_blocks(tmp_path, monkeypatch, mode):
     """The fused projections and the tied head carry the blocks: as the GGUF lays them out for bfloat16
-    activations (`KVFENCE_INT8=0`), or as panels for int8 ones (`decode`: few-row steps only; default: every
-    step, and the bfloat16 weight is dropped). Logits stay within bfloat16-class error of the bfloat16 weights'
+    activations (`KVFENCE_INT8=0`), or as panels for int8 ones (`decode`, the default: few-row steps only; `all`:
+    every step, and the bfloat16 weight is dropped). Logits stay within bfloat16-class error of the bfloat16 weights'
     and greedy choices agree with float32."""
     from kvfence.model import llama
     from kvfence.model.llama import LlamaForCausalLM, PackedLinear
@@ -109,7 +109,7 @@ def test_bfloat16_model_multiplies_by_the_blocks(tmp_path, monkeypatch, mode):
         assert qkv.quant.shape == (qkv.out_features, loaded.config.hidden_size) and qkv.panels is None
     else:
         assert qkv.panels.n == qkv.out_features and qkv.quant is None
-        assert (qkv.packed_weight.numel() == 0) == (mode == "1")  # kept only where prefills still use it
+        assert (qkv.packed_weight.numel() == 0) == (mode == "all")  # kept only where prefills still use it
 
     ids = torch.randint(
         0, loaded.config.vocab_size, (30,), generator=torch.Generator().manual_seed(1)

@@ -18,6 +18,7 @@ P = pages in the pool, S = page size (tokens per page).
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from types import ModuleType
@@ -399,21 +400,28 @@ class LlamaForCausalLM(nn.Module):
         return model
 
 
+# Rows up to which `panel_linear` quantizes activations in two int8 levels, finer than bfloat16: a step of so few
+# rows is bound by reading the weights, so the second level's multiplies are about free. Longer steps take oneDNN
+# on the bfloat16 weights, or with `KVFENCE_INT8=all` one int8 level (llama.cpp's precision, faster, coarser).
+FINE_MAX_ROWS = 8
+
+
 class PackedLinear(nn.Module):
     """A bfloat16 CPU linear layer whose weight oneDNN reordered once, at load, into its blocked layout. Same
     results as `F.linear` (bit for bit in our tests), which reorders the weight on every call: 1.7-1.9x faster
     for the few rows of a decode step, the same for a long prefill (docs/performance.md).
 
-    When the GGUF stored this weight as Q4_1 or Q8_0 blocks and the C++ kernels run, every step multiplies by
-    those blocks instead (`attach_quantized`): by default `panels` holds them repacked for `panel_linear`, which
-    quantizes the activations to int8 per block of 32 as llama.cpp does (AVX512-VNNI), for any row count, and the
-    bfloat16 weight is dropped. With `KVFENCE_INT8=0`, `quant` holds them as the GGUF stores them and inputs of at
-    most `QUANT_MAX_ROWS` rows (decode steps) are multiplied by them with bfloat16 activations, more rows by the
-    bfloat16 weight. Either way a decode step reads a third of the bytes (Q4_1)."""
+    When the GGUF stored this weight as Q4_1 or Q8_0 blocks and the C++ kernels run, steps of few rows multiply
+    by those blocks instead (`attach_quantized`), reading a third of the bytes (Q4_1). By default `panels` holds
+    them repacked for `panel_linear`, which quantizes the activations to int8 per block of 32 (AVX512-VNNI): two
+    levels up to `FINE_MAX_ROWS` rows; with `KVFENCE_INT8=all` one level for longer steps too, and the bfloat16
+    weight is dropped. With `KVFENCE_INT8=0`, `quant` holds them as the GGUF stores them and steps of at most
+    `QUANT_MAX_ROWS` rows multiply by them with bfloat16 activations."""
 
     packed_weight: Tensor  # empty once every step takes the panels
     quant: QuantBlocks | None = None
     panels: QuantPanels | None = None
+    panel_max_rows = FINE_MAX_ROWS  # steps of more rows take the bfloat16 weight ...
     kernels: ModuleType | None = None
 
     def __init__(self, linear: nn.Linear) -> None:
@@ -437,11 +445,9 @@ class PackedLinear(nn.Module):
         p = self.panels
         if p is not None and self.kernels is not None:
             rows = x.reshape(-1, self.in_features)
-            fine = rows.shape[0] <= FINE_MAX_ROWS
-            if fine or self.packed_weight.numel() == 0:
-                out: Tensor = self.kernels.panel_linear(
-                    rows, p.wp, p.d, p.m, p.kind_id, p.n, 2 if fine else 1
-                )
+            if rows.shape[0] <= self.panel_max_rows:
+                levels = 2 if rows.shape[0] <= FINE_MAX_ROWS else 1
+                out: Tensor = self.kernels.panel_linear(rows, p.wp, p.d, p.m, p.kind_id, p.n, levels)
                 return out.view(*x.shape[:-1], p.n)
         q = self.quant
         if (
@@ -456,10 +462,6 @@ class PackedLinear(nn.Module):
         return y
 
 
-# Rows up to which `panel_linear` quantizes activations in two int8 levels, finer than bfloat16: a step of so few
-# rows is bound by reading the weights, so the second level's multiplies are about free. More rows take one level
-# (llama.cpp's precision, faster than oneDNN's bfloat16), or oneDNN with `KVFENCE_INT8=decode`.
-FINE_MAX_ROWS = 8
 DECODE_ROWS_HINT = 8  # oneDNN picks the packed layout for this many rows; any row count works
 # rows up to which the quantized-block kernels beat oneDNN on bfloat16 weights (docs/performance.md)
 QUANT_MAX_ROWS = {"Q4_1": 6, "Q8_0": 2}
@@ -477,9 +479,9 @@ def fuse_quantized(quantized: Mapping[str, QuantBlocks], cfg: ModelConfig) -> di
 
 def attach_quantized(model: nn.Module, quantized: Mapping[str, QuantBlocks], ops: ModuleType) -> None:
     """Give each bias-free PackedLinear its weight's blocks, when they have its shape: as panels for int8
-    activations (the default where the CPU has AVX512-VNNI; the bfloat16 weight is then dropped), or as the GGUF
-    lays them out for bfloat16 activations (`KVFENCE_INT8=0`). Every decode step streams all of them, so they
-    move into one buffer on huge pages (`hugepages.pack`)."""
+    activations (the default where the CPU has AVX512-VNNI; `KVFENCE_INT8=all` drops the bfloat16 weight), or
+    as the GGUF lays them out for bfloat16 activations (`KVFENCE_INT8=0`). Every decode step streams all of
+    them, so they move into one buffer on huge pages (`hugepages.pack`)."""
     takers: list[tuple[PackedLinear, QuantBlocks]] = []
     for name, module in model.named_modules():
         blocks = quantized.get(name + ".weight")
@@ -496,7 +498,8 @@ def attach_quantized(model: nn.Module, quantized: Mapping[str, QuantBlocks], ops
         for (module, _), p in zip(takers, panels, strict=True):
             module.panels = QuantPanels(p.kind, p.n, next(placed), next(placed), next(placed))
             module.kernels = ops
-            if not kernels.int8_decode_only():  # every step takes the panels: the bfloat16 weight goes
+            if kernels.int8_prefill():  # ... or every step takes the panels: the bfloat16 weight goes
+                module.panel_max_rows = sys.maxsize
                 module.packed_weight = torch.empty(0, dtype=module.packed_weight.dtype)
         return
     placed = iter(hugepages.pack([t for _, b in takers for t in (b.qs, b.d, b.m)]))

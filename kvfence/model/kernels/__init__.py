@@ -44,15 +44,15 @@ def quant_enabled() -> bool:
 
 
 def int8_enabled() -> bool:
-    """Linear layers on the GGUF's blocks take int8 activations per block of 32 (`panel_linear`); off
-    (`KVFENCE_INT8=0`), they take bfloat16 activations for decode steps and oneDNN runs the rest."""
-    return os.environ.get("KVFENCE_INT8", "1") != "0"
+    """Linear layers on the GGUF's blocks take int8 activations per block of 32 (`panel_linear`) in steps of few
+    rows; off (`KVFENCE_INT8=0`), they take bfloat16 activations there (`quant_linear`)."""
+    return os.environ.get("KVFENCE_INT8", "decode") != "0"
 
 
-def int8_decode_only() -> bool:
-    """`KVFENCE_INT8=decode`: int8 activations only for steps of few rows (two levels, finer than bfloat16);
-    longer steps (prefills) run oneDNN on the bfloat16 weights, which then stay loaded."""
-    return os.environ.get("KVFENCE_INT8", "1") == "decode"
+def int8_prefill() -> bool:
+    """`KVFENCE_INT8=all`: longer steps (prefills) too, in one int8 level (llama.cpp's precision), instead of
+    oneDNN on the bfloat16 weights, which are then dropped."""
+    return os.environ.get("KVFENCE_INT8", "decode") == "all"
 
 
 def supports(head_dim: int) -> bool:
