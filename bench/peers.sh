@@ -3,6 +3,7 @@
 #
 #   bench/peers.sh [all | kvfence | vllm | llamacpp | transformers | table]
 #   bench/peers.sh rounds N     # N rounds of vLLM against kvfence (colocated and PD), order swapped each round
+#                               # (ROUNDS_INT8_ALL=1: also colocated with KVFENCE_INT8=all, int8 prefills)
 #
 # Installs each peer in its own directory under $PEERS (default ~/.cache/kvfence/peers), starts it on the
 # default model with $THREADS compute threads, runs workloads W1 and W2 of bench/serve.py against it, stops it,
@@ -70,6 +71,8 @@ serve_kvfence() {  # serve_kvfence LABEL [kvfence serve flags]
 
 run_kvfence() {
   serve_kvfence kvfence-bf16 --dtype bfloat16
+  KVFENCE_INT8=all serve_kvfence kvfence-bf16-int8all --dtype bfloat16   # prefills on int8 activations too
+  KVFENCE_INT8=0 serve_kvfence kvfence-bf16-noint8 --dtype bfloat16   # session 8's linear layers
   serve_kvfence kvfence-bf16-nochecks --dtype bfloat16 --no-integrity-checks
   KVFENCE_QUANT_KERNELS=0 serve_kvfence kvfence-bf16-bf16w --dtype bfloat16   # kernels, bfloat16 weights only
   KVFENCE_KERNELS=0 serve_kvfence kvfence-bf16-torch --dtype bfloat16   # without the C++ kernels
@@ -152,6 +155,7 @@ run_rounds() {  # run_rounds N: side by side repeated, so that machine drift fal
   for i in $(seq "$1"); do
     if (( i % 2 == 1 )); then run_vllm "vllm-bf16-r$i"; fi
     serve_kvfence "kvfence-bf16-r$i" --dtype bfloat16
+    if [[ ${ROUNDS_INT8_ALL:-0} == 1 ]]; then KVFENCE_INT8=all serve_kvfence "kvfence-int8all-r$i" --dtype bfloat16; fi
     serve_kvfence "kvfence-pd-bf16-r$i" --mode pd --dtype bfloat16
     if (( i % 2 == 0 )); then run_vllm "vllm-bf16-r$i"; fi
   done
