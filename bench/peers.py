@@ -27,8 +27,12 @@ import torch
 from kvfence.model.fetch import DEFAULT_MODEL_PATH
 from kvfence.model.loader import load_model, load_tokenizer
 
-sys.path.insert(0, str(Path(__file__).parent))
-from serve import WORKLOADS, Workload, make_prompts  # bench/ is not a package
+BENCH = Path(__file__).resolve().parent
+sys.path.insert(0, str(BENCH))
+from serve import WORKLOADS, Workload, make_prompts  # noqa: E402  (bench/ is not a package)
+
+# and then off the path: bench/kernels.py would shadow the `kernels` package that transformers imports
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != BENCH]
 
 
 def export_hf(out: Path, model_path: str) -> None:
