@@ -3,7 +3,8 @@
 #
 #   bench/peers.sh [all | kvfence | vllm | llamacpp | transformers | table]
 #   bench/peers.sh rounds N     # N rounds of vLLM against kvfence (colocated and PD), order swapped each round
-#                               # (ROUNDS_INT8_ALL=1: also colocated with KVFENCE_INT8=all, int8 prefills)
+#                               # (ROUNDS_INT8_ALL=1: also colocated with KVFENCE_INT8=all, int8 prefills;
+#                               # ROUNDS_INT8_OFF=1: also with KVFENCE_INT8=0, the linear layers of session 8)
 #
 # Installs each peer in its own directory under $PEERS (default ~/.cache/kvfence/peers), starts it on the
 # default model with $THREADS compute threads, runs workloads W1 and W2 of bench/serve.py against it, stops it,
@@ -156,6 +157,7 @@ run_rounds() {  # run_rounds N: side by side repeated, so that machine drift fal
     if (( i % 2 == 1 )); then run_vllm "vllm-bf16-r$i"; fi
     serve_kvfence "kvfence-bf16-r$i" --dtype bfloat16
     if [[ ${ROUNDS_INT8_ALL:-0} == 1 ]]; then KVFENCE_INT8=all serve_kvfence "kvfence-int8all-r$i" --dtype bfloat16; fi
+    if [[ ${ROUNDS_INT8_OFF:-0} == 1 ]]; then KVFENCE_INT8=0 serve_kvfence "kvfence-noint8-r$i" --dtype bfloat16; fi
     serve_kvfence "kvfence-pd-bf16-r$i" --mode pd --dtype bfloat16
     if (( i % 2 == 0 )); then run_vllm "vllm-bf16-r$i"; fi
   done
