@@ -78,13 +78,23 @@ def main() -> None:
     if not any(blocks.values()):
         print("note: this model has no Q4_1/Q8_0 blocks; the first four columns are the same")
 
+    head = model.lm_head
+    if (
+        head.packed_weight.numel() == 0
+    ):  # the server drops it (its head takes the blocks): back, for the torch paths
+        weight = model.model.embed_tokens.weight if loaded.config.tie_word_embeddings else None
+        if weight is None:
+            raise SystemExit("an untied head whose bfloat16 weight was dropped: load with KVFENCE_INT8=0")
+        head.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), llama.DECODE_ROWS_HINT)
+
     def use(kernels_on: bool, linear: str) -> None:
         for m in model.modules():
             if isinstance(m, (Attention, MLP, LlamaForCausalLM)):
                 m.kernels = ops if kernels_on else None
         for name, m in linears.items():
             m.panels = panels[name] if linear.startswith("int8") else None
-            m.panel_max_rows = sys.maxsize if linear == "int8 all" else llama.FINE_MAX_ROWS
+            every_step = linear == "int8 all" or m is head  # as the server runs them
+            m.panel_max_rows = sys.maxsize if every_step else llama.FINE_MAX_ROWS
             m.quant = blocks[name] if linear == "bf16 activations" else None
             m.kernels = ops
 

@@ -110,6 +110,7 @@ def test_bfloat16_model_multiplies_by_the_blocks(tmp_path, monkeypatch, mode):
     else:
         assert qkv.panels.n == qkv.out_features and qkv.quant is None
         assert (qkv.packed_weight.numel() == 0) == (mode == "all")  # kept only where prefills still use it
+        assert linears["lm_head"].packed_weight.numel() == 0  # the head takes the blocks for every step
 
     ids = torch.randint(
         0, loaded.config.vocab_size, (30,), generator=torch.Generator().manual_seed(1)

@@ -422,6 +422,7 @@ class PackedLinear(nn.Module):
     quant: QuantBlocks | None = None
     panels: QuantPanels | None = None
     panel_max_rows = FINE_MAX_ROWS  # steps of more rows take the bfloat16 weight ...
+    fine_max_rows = FINE_MAX_ROWS  # ... and steps of more rows than this one int8 level
     kernels: ModuleType | None = None
 
     def __init__(self, linear: nn.Linear) -> None:
@@ -446,7 +447,7 @@ class PackedLinear(nn.Module):
         if p is not None and self.kernels is not None:
             rows = x.reshape(-1, self.in_features)
             if rows.shape[0] <= self.panel_max_rows:
-                levels = 2 if rows.shape[0] <= FINE_MAX_ROWS else 1
+                levels = 2 if rows.shape[0] <= self.fine_max_rows else 1
                 out: Tensor = self.kernels.panel_linear(rows, p.wp, p.d, p.m, p.kind_id, p.n, levels)
                 return out.view(*x.shape[:-1], p.n)
         q = self.quant
@@ -479,10 +480,12 @@ def fuse_quantized(quantized: Mapping[str, QuantBlocks], cfg: ModelConfig) -> di
 
 def attach_quantized(model: nn.Module, quantized: Mapping[str, QuantBlocks], ops: ModuleType) -> None:
     """Give each bias-free PackedLinear its weight's blocks, when they have its shape: as panels for int8
-    activations (the default where the CPU has AVX512-VNNI; `KVFENCE_INT8=all` drops the bfloat16 weight), or
-    as the GGUF lays them out for bfloat16 activations (`KVFENCE_INT8=0`). Every decode step streams all of
-    them, so they move into one buffer on huge pages (`hugepages.pack`)."""
+    activations (the default where the CPU has AVX512-VNNI; the output head, which sees one row per sequence,
+    takes them in two levels for every step and drops its bfloat16 copy, as every layer does with
+    `KVFENCE_INT8=all`), or as the GGUF lays them out for bfloat16 activations (`KVFENCE_INT8=0`). Every decode
+    step streams all of them, so they move into one buffer on huge pages (`hugepages.pack`)."""
     takers: list[tuple[PackedLinear, QuantBlocks]] = []
+    head = getattr(model, "lm_head", None)
     for name, module in model.named_modules():
         blocks = quantized.get(name + ".weight")
         if (
@@ -498,7 +501,10 @@ def attach_quantized(model: nn.Module, quantized: Mapping[str, QuantBlocks], ops
         for (module, _), p in zip(takers, panels, strict=True):
             module.panels = QuantPanels(p.kind, p.n, next(placed), next(placed), next(placed))
             module.kernels = ops
-            if kernels.int8_prefill():  # ... or every step takes the panels: the bfloat16 weight goes
+            is_head = module is head
+            if is_head:  # only sampled rows reach it (one per sequence): two levels for any count
+                module.fine_max_rows = sys.maxsize
+            if is_head or kernels.int8_prefill():  # every step takes the panels: the bfloat16 weight goes
                 module.panel_max_rows = sys.maxsize
                 module.packed_weight = torch.empty(0, dtype=module.packed_weight.dtype)
         return
