@@ -414,9 +414,10 @@ class PackedLinear(nn.Module):
     When the GGUF stored this weight as Q4_1 or Q8_0 blocks and the C++ kernels run, steps of few rows multiply
     by those blocks instead (`attach_quantized`), reading a third of the bytes (Q4_1). By default `panels` holds
     them repacked for `panel_linear`, which quantizes the activations to int8 per block of 32 (AVX512-VNNI): two
-    levels up to `FINE_MAX_ROWS` rows; with `KVFENCE_INT8=all` one level for longer steps too, and the bfloat16
-    weight is dropped. With `KVFENCE_INT8=0`, `quant` holds them as the GGUF stores them and steps of at most
-    `QUANT_MAX_ROWS` rows multiply by them with bfloat16 activations."""
+    levels up to `FINE_MAX_ROWS` rows (the output head: two levels for every step, its bfloat16 weight
+    dropped); with `KVFENCE_INT8=all` one level for longer steps too, and the bfloat16 weight is dropped. With
+    `KVFENCE_INT8=0`, `quant` holds them as the GGUF stores them and steps of at most `QUANT_MAX_ROWS` rows
+    multiply by them with bfloat16 activations."""
 
     packed_weight: Tensor  # empty once every step takes the panels
     quant: QuantBlocks | None = None
