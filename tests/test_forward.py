@@ -7,6 +7,8 @@ single-token decodes. Each must reproduce transformers' logits at the same posit
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -173,3 +175,27 @@ def test_packed_bfloat16_linears_equal_plain_ones(tmp_path, monkeypatch, tie, bi
     assert torch.equal(packed, plain)
     model = LlamaForCausalLM.from_weights(loaded.config, loaded.weights, torch.bfloat16, "cpu")
     assert not any(isinstance(m, PackedLinear) for m in model.modules())
+
+
+BUILD_WITHOUT_INIT = """
+import sys
+import torch
+from kvfence.model.llama import LlamaForCausalLM
+from kvfence.model.loader import load_model
+loaded = load_model(sys.argv[1])
+model = LlamaForCausalLM.from_weights(loaded.config, loaded.weights, torch.float32, "cpu")
+assert model.lm_head.weight is model.model.embed_tokens.weight
+assert not any(p.is_meta for p in model.parameters())
+heavy = sorted(m for m in ("sympy", "torch._dynamo", "torch._inductor", "torch.distributed.tensor") if m in sys.modules)
+print(" ".join(heavy))
+"""
+
+
+def test_building_a_model_runs_no_random_init(tmp_path):
+    """The model is built on the meta device and takes the loader's tensors as its parameters. Random init or
+    `to_empty` there would run torch's Python reference kernels, whose first call imports sympy, torch._dynamo and
+    some 900 other modules: about 40 MiB more in every server process (docs/performance.md, session 10)."""
+    path = write_tiny_hf_dir(tmp_path / "tied", seed=1, tie=True)
+    out = subprocess.run([sys.executable, "-c", BUILD_WITHOUT_INIT, str(path)], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "", f"building the model imported {out.stdout.strip()}"

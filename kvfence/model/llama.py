@@ -135,6 +135,22 @@ class PagedKV:
         return kv.view(2, *pages.shape[:-1], pages.shape[-1] * self.page_size, *self.kv.shape[-2:])
 
 
+class Linear(nn.Linear):
+    """nn.Linear without random initialization: every weight comes from the checkpoint, and the model is built on
+    the meta device. There, random init runs torch's Python reference kernels, whose first call imports
+    torch._dynamo, sympy and some 900 other modules: 40 MiB that stayed resident in every server process."""
+
+    def reset_parameters(self) -> None:
+        pass
+
+
+class Embedding(nn.Embedding):
+    """nn.Embedding without random initialization (see `Linear`)."""
+
+    def reset_parameters(self) -> None:
+        pass
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -186,8 +202,8 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         d, dh = cfg.hidden_size, cfg.head_dim
         # q, k and v projections in one: rows [q | k | v] (from_weights concatenates HF's three)
-        self.qkv_proj = nn.Linear(d, (cfg.num_heads + 2 * cfg.num_kv_heads) * dh, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(cfg.num_heads * dh, d, bias=False)
+        self.qkv_proj = Linear(d, (cfg.num_heads + 2 * cfg.num_kv_heads) * dh, bias=cfg.attention_bias)
+        self.o_proj = Linear(cfg.num_heads * dh, d, bias=False)
         self.scale = dh**-0.5
         self.kernels: ModuleType | None = None  # C++ kernels (kvfence/model/kernels), set at load
 
@@ -272,8 +288,8 @@ class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         # gate and up projections in one: rows [gate | up] (from_weights concatenates HF's two)
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
         self.kernels: ModuleType | None = None  # C++ kernels (kvfence/model/kernels), set at load
 
@@ -319,7 +335,7 @@ class DecoderLayer(nn.Module):
 class LlamaBody(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -329,7 +345,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.model = LlamaBody(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rotary: Rotary | None = None  # built on the target device by from_weights
@@ -377,16 +393,18 @@ class LlamaForCausalLM(nn.Module):
         few rows multiplies by those blocks instead of the bfloat16 weights (`PackedLinear`)."""
         with torch.device("meta"):
             model = cls(cfg)
-        model = model.to_empty(device=device)
-        if cfg.tie_word_embeddings:  # to_empty gives every parameter its own storage: tie again
-            model.lm_head.weight = model.model.embed_tokens.weight
         weights = fuse_projections(weights, cfg.num_layers)
         expected = {n for n, _ in model.named_parameters()}
         missing = expected - set(weights)
         if missing:
             raise ValueError(f"weights missing for: {sorted(missing)[:5]}")
-        model.load_state_dict({k: v for k, v in weights.items() if k in expected}, strict=False)
-        model = model.to(dtype=dtype).eval()
+        # the loader's tensors become the parameters (no copy; `to_empty` would run torch's Python reference
+        # kernels on the meta tensors, which import sympy and hundreds of modules: see `Linear`)
+        model.load_state_dict({k: v for k, v in weights.items() if k in expected}, strict=False, assign=True)
+        if cfg.tie_word_embeddings:  # assigning replaced the shared parameter in one place: tie again
+            model.lm_head.weight = model.model.embed_tokens.weight
+        model = model.to(device=device, dtype=dtype).eval()
+        assert not any(t.is_meta for t in model.state_dict().values()), "a parameter was left on the meta device"
         model.rotary = Rotary(cfg.head_dim, cfg.context_length, cfg.rope_theta, device)
         if PackedLinear.supported(dtype, device):
             pack_linears(model)
