@@ -196,6 +196,8 @@ def test_building_a_model_runs_no_random_init(tmp_path):
     `to_empty` there would run torch's Python reference kernels, whose first call imports sympy, torch._dynamo and
     some 900 other modules: about 40 MiB more in every server process (docs/performance.md, session 10)."""
     path = write_tiny_hf_dir(tmp_path / "tied", seed=1, tie=True)
-    out = subprocess.run([sys.executable, "-c", BUILD_WITHOUT_INIT, str(path)], capture_output=True, text=True)
+    out = subprocess.run(
+        [sys.executable, "-c", BUILD_WITHOUT_INIT, str(path)], capture_output=True, text=True
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "", f"building the model imported {out.stdout.strip()}"

@@ -404,7 +404,9 @@ class LlamaForCausalLM(nn.Module):
         if cfg.tie_word_embeddings:  # assigning replaced the shared parameter in one place: tie again
             model.lm_head.weight = model.model.embed_tokens.weight
         model = model.to(device=device, dtype=dtype).eval()
-        assert not any(t.is_meta for t in model.state_dict().values()), "a parameter was left on the meta device"
+        assert not any(t.is_meta for t in model.state_dict().values()), (
+            "a parameter was left on the meta device"
+        )
         model.rotary = Rotary(cfg.head_dim, cfg.context_length, cfg.rope_theta, device)
         if PackedLinear.supported(dtype, device):
             pack_linears(model)
