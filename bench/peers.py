@@ -122,7 +122,7 @@ def transformers_baseline(hf_dir: str, w: Workload, tokenizer_path: str, threads
 
 
 def table(results: Path) -> str:
-    """Rows: one per label; columns: W1 output tok/s and TTFT p50, W2 TTFT p50 and decode ms/token."""
+    """Rows: one per label; columns: W1 output tok/s and TTFT p50, W2 TTFT p50 and decode ms/token, RSS."""
     rows: dict[str, dict[str, dict[str, Any]]] = {}
     for path in sorted(results.glob("*.json")):
         label, workload = path.stem.rsplit(".", 1)
@@ -135,14 +135,16 @@ def table(results: Path) -> str:
         return "" if value is None else str(value)
 
     lines = [
-        "| server | W1 out tok/s | W1 TTFT p50 ms | W1 failed | W2 TTFT p50 ms | W2 decode ms/token |",
-        "| --- | --- | --- | --- | --- | --- |",
+        "| server | W1 out tok/s | W1 TTFT p50 ms | W1 failed | W2 TTFT p50 ms | W2 decode ms/token | RSS MiB |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
     ]
     for label, r in rows.items():
         w1, w2 = r.get("W1"), r.get("W2")
+        rss = results / f"{label}.rss"  # every process of the server after W1 and W2 (peers.sh record_rss)
         lines.append(
             f"| {label} | {cell(w1, 'output_tok_s')} | {cell(w1, 'ttft_ms', 'p50')} | {cell(w1, 'num_failed')} "
-            f"| {cell(w2, 'ttft_ms', 'p50')} | {cell(w2, 'tpot_ms', 'p50')} |"
+            f"| {cell(w2, 'ttft_ms', 'p50')} | {cell(w2, 'tpot_ms', 'p50')} "
+            f"| {rss.read_text().strip() if rss.exists() else ''} |"
         )
     return "\n".join(lines)
 

