@@ -433,9 +433,10 @@ class PackedLinear(nn.Module):
 
     When the GGUF stored this weight as Q4_1 or Q8_0 blocks and the C++ kernels run, steps of few rows multiply
     by those blocks instead (`attach_quantized`), reading a third of the bytes (Q4_1). By default `panels` holds
-    them repacked for `panel_linear`, which quantizes the activations to int8 per block of 32 (AVX512-VNNI): two
-    levels up to `FINE_MAX_ROWS` rows (the output head: two levels for every step, its bfloat16 weight
-    dropped); with `KVFENCE_INT8=all` one level for longer steps too, and the bfloat16 weight is dropped. With
+    them repacked for `panel_linear`, which quantizes the activations to int8 per block of 32 (AVX512-VNNI and
+    BF16): two levels up to `FINE_MAX_ROWS` rows; with `KVFENCE_INT8=all` one level for longer steps too, and the
+    bfloat16 weight is dropped. The output head takes its panels for every step (one level beyond
+    `FINE_MAX_ROWS` rows) and drops its bfloat16 weight in every mode but `KVFENCE_INT8=0`. With
     `KVFENCE_INT8=0`, `quant` holds them as the GGUF stores them and steps of at most `QUANT_MAX_ROWS` rows
     multiply by them with bfloat16 activations."""
 
@@ -501,10 +502,11 @@ def fuse_quantized(quantized: Mapping[str, QuantBlocks], cfg: ModelConfig) -> di
 
 def attach_quantized(model: nn.Module, quantized: Mapping[str, QuantBlocks], ops: ModuleType) -> None:
     """Give each bias-free PackedLinear its weight's blocks, when they have its shape: as panels for int8
-    activations (the default where the CPU has AVX512-VNNI; the output head, which sees one row per sequence,
-    takes them in two levels for every step and drops its bfloat16 copy, as every layer does with
-    `KVFENCE_INT8=all`), or as the GGUF lays them out for bfloat16 activations (`KVFENCE_INT8=0`). Every decode
-    step streams all of them, so they move into one buffer on huge pages (`hugepages.pack`)."""
+    activations (the default where the CPU has AVX512-VNNI and AVX512-BF16; the output head, which sees one row
+    per sequence, takes them for every step and drops its bfloat16 copy, as every layer does with
+    `KVFENCE_INT8=all`), or as the GGUF lays them out for bfloat16 activations (`KVFENCE_INT8=0`, or a CPU
+    without those instructions). Every decode step streams all of them, so they move into one buffer on huge
+    pages (`hugepages.pack`)."""
     takers: list[tuple[PackedLinear, QuantBlocks]] = []
     head = getattr(model, "lm_head", None)
     for name, module in model.named_modules():
@@ -522,10 +524,11 @@ def attach_quantized(model: nn.Module, quantized: Mapping[str, QuantBlocks], ops
         for (module, _), p in zip(takers, panels, strict=True):
             module.panels = QuantPanels(p.kind, p.n, next(placed), next(placed), next(placed))
             module.kernels = ops
-            is_head = module is head
-            if is_head:  # only sampled rows reach it (one per sequence): two levels for any count
-                module.fine_max_rows = sys.maxsize
-            if is_head or kernels.int8_prefill():  # every step takes the panels: the bfloat16 weight goes
+            # The head sees only sampled rows (one per sequence): every step takes its panels, in one level beyond
+            # FINE_MAX_ROWS, where two levels are slower than oneDNN was (docs/performance.md, session 10).
+            if (
+                module is head or kernels.int8_prefill()
+            ):  # every step takes the panels: the bfloat16 weight goes
                 module.panel_max_rows = sys.maxsize
                 module.packed_weight = torch.empty(0, dtype=module.packed_weight.dtype)
         return

@@ -43,16 +43,27 @@ def quant_enabled() -> bool:
     return os.environ.get("KVFENCE_QUANT_KERNELS", "1") != "0"
 
 
+INT8_MODES = ("0", "decode", "all")
+
+
+def int8_mode() -> str:
+    """`KVFENCE_INT8`: "decode" (the default), "all" or "0"; anything else is refused rather than guessed."""
+    mode = os.environ.get("KVFENCE_INT8", "decode")
+    if mode not in INT8_MODES:
+        raise ValueError(f"KVFENCE_INT8={mode!r}: expected one of {', '.join(INT8_MODES)}")
+    return mode
+
+
 def int8_enabled() -> bool:
     """Linear layers on the GGUF's blocks take int8 activations per block of 32 (`panel_linear`) in steps of few
     rows; off (`KVFENCE_INT8=0`), they take bfloat16 activations there (`quant_linear`)."""
-    return os.environ.get("KVFENCE_INT8", "decode") != "0"
+    return int8_mode() != "0"
 
 
 def int8_prefill() -> bool:
     """`KVFENCE_INT8=all`: longer steps (prefills) too, in one int8 level (llama.cpp's precision), instead of
     oneDNN on the bfloat16 weights, which are then dropped."""
-    return os.environ.get("KVFENCE_INT8", "decode") == "all"
+    return int8_mode() == "all"
 
 
 def supports(head_dim: int) -> bool:

@@ -1010,63 +1010,102 @@ namespace {
 
 constexpr int64_t PANEL = 16;  // output columns per panel, one per lane
 
+// Blocks whose largest magnitude is below this count as zeros (flushed, as denormals are): below it 254 * 127 /
+// max|x| overflows float32, and the unit of two levels, max|x| / (127 * 254), is no longer a normal float.
+constexpr float MIN_AMAX = 127.0f * 254.0f * std::numeric_limits<float>::min();  // about 3.9e-34
+
+// One block of 32 values of x -> its quants q1 (and q2 with two levels) and the sum of its quants (254 * sum(q1) +
+// sum(q2) with two levels). `s` gets max|x| / 127, `finite` whether the block holds no NaN and no infinity. A
+// block that is not finite, or below MIN_AMAX, gets zero quants (so no sum can overflow). Scalar version: the
+// fallback, and the reference the tests hold the vector version to, bit for bit (`panel_linear_scalar`).
+int32_t quantize_block_scalar(const uint16_t* x, int64_t levels, int8_t* q1, int8_t* q2, float* s, bool* finite) {
+  float xf[QBLOCK];
+  bf16_to_f32(x, xf, QBLOCK);
+  float amax = 0.0f;
+  bool all_finite = true;
+  for (float v : xf) amax = std::max(amax, std::fabs(v)), all_finite = all_finite && std::isfinite(v);
+  *s = amax / 127.0f;
+  *finite = all_finite;
+  if (!all_finite || !(amax >= MIN_AMAX)) {
+    std::memset(q1, 0, QBLOCK);
+    if (levels == 2) std::memset(q2, 0, QBLOCK);
+    return 0;
+  }
+  const float inv = 127.0f / amax, inv2 = inv * 254.0f;
+  int32_t sum1 = 0, sum2 = 0;
+  for (int64_t j = 0; j < QBLOCK; ++j) {  // within +-127 by construction; nearbyint rounds half to even
+    const int32_t v = static_cast<int32_t>(std::nearbyint(xf[j] * inv));
+    q1[j] = static_cast<int8_t>(v);
+    sum1 += v;
+    if (levels == 2) {
+      const int32_t w = static_cast<int32_t>(std::nearbyint(std::fma(-static_cast<float>(v), *s, xf[j]) * inv2));
+      q2[j] = static_cast<int8_t>(w);
+      sum2 += w;
+    }
+  }
+  return levels == 2 ? 254 * sum1 + sum2 : sum1;
+}
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BF16__)
+#define KVFENCE_PANEL_VECTOR 1
+// The same with AVX-512 (equal results: the same float operations, rounded the same way).
+int32_t quantize_block_vector(const uint16_t* x, int64_t levels, int8_t* q1, int8_t* q2, float* s, bool* finite) {
+  const __m512 lo = load_bf16x16(x), hi = load_bf16x16(x + 16), zero = _mm512_setzero_ps();
+  // x * 0 is NaN for a NaN or an infinity and zero otherwise
+  const bool all_finite =
+      _mm512_reduce_add_ps(_mm512_add_ps(_mm512_mul_ps(lo, zero), _mm512_mul_ps(hi, zero))) == 0.0f;
+  const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
+  *s = amax / 127.0f;
+  *finite = all_finite;
+  if (!all_finite || !(amax >= MIN_AMAX)) {
+    std::memset(q1, 0, QBLOCK);
+    if (levels == 2) std::memset(q2, 0, QBLOCK);
+    return 0;
+  }
+  const float inv_s = 127.0f / amax;
+  const __m512 inv = _mm512_set1_ps(inv_s);
+  const __m512i qlo = _mm512_cvtps_epi32(_mm512_mul_ps(lo, inv)), qhi = _mm512_cvtps_epi32(_mm512_mul_ps(hi, inv));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(q1), _mm512_cvtsepi32_epi8(qlo));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(q1 + 16), _mm512_cvtsepi32_epi8(qhi));
+  int32_t qsum = _mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi));
+  if (levels == 2) {
+    const __m512 sv = _mm512_set1_ps(*s), inv2 = _mm512_set1_ps(inv_s * 254.0f);
+    const __m512 rlo = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(qlo), sv, lo);
+    const __m512 rhi = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(qhi), sv, hi);
+    const __m512i slo = _mm512_cvtps_epi32(_mm512_mul_ps(rlo, inv2)), shi = _mm512_cvtps_epi32(_mm512_mul_ps(rhi, inv2));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q2), _mm512_cvtsepi32_epi8(slo));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q2 + 16), _mm512_cvtsepi32_epi8(shi));
+    qsum = 254 * qsum + _mm512_reduce_add_epi32(_mm512_add_epi32(slo, shi));
+  }
+  return qsum;
+}
+#endif
+
 // x [M, K] bfloat16 -> xq [levels, M, K] int8 and per (row, block): the unit u of the integer sums, sum(xq) times
 // u, and 128 times sum(xq), where with one level x ~ u * xq1 (u = s = max|x| / 127) and with two x ~ u * (254 *
 // xq1 + xq2) (u = s / 254, xq2 the remainder x - s * xq1 quantized in steps of s / 254, within +-127 since the
 // remainder is within s / 2). The unit is NaN when the block holds a NaN or an infinity, so that the row's outputs
-// become NaN as float32 would make them.
-void quantize_rows(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, int64_t levels, int8_t* xq, float* unit,
-                   float* xsum, int32_t* xqsum128) {
+// become NaN.
+void quantize_rows(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, int64_t levels, bool vector, int8_t* xq,
+                   float* unit, float* xsum, int32_t* xqsum128) {
   const int64_t nb = K / QBLOCK;
   at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r)
       for (int64_t b = 0; b < nb; ++b) {
         const int64_t i = r * nb + b;
+        const uint16_t* xb = x + r * ldx + b * QBLOCK;
         int8_t* q1 = xq + r * K + b * QBLOCK;
-        int8_t* q2 = q1 + M * K;
-#if defined(__AVX512VNNI__)
-        const __m512 lo = load_bf16x16(x + r * ldx + b * QBLOCK), hi = load_bf16x16(x + r * ldx + b * QBLOCK + 16);
-        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
-        const float sum = _mm512_reduce_add_ps(_mm512_add_ps(lo, hi));
-        const float s = amax / 127.0f;
-        const __m512 inv = _mm512_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
-        const __m512i qlo = _mm512_cvtps_epi32(_mm512_mul_ps(lo, inv)), qhi = _mm512_cvtps_epi32(_mm512_mul_ps(hi, inv));
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(q1), _mm512_cvtsepi32_epi8(qlo));
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(q1 + 16), _mm512_cvtsepi32_epi8(qhi));
-        int32_t qsum = _mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi));
-        if (levels == 2) {
-          const __m512 sv = _mm512_set1_ps(s), inv2 = _mm512_mul_ps(inv, _mm512_set1_ps(254.0f));
-          const __m512 rlo = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(qlo), sv, lo);
-          const __m512 rhi = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(qhi), sv, hi);
-          const __m512i slo = _mm512_cvtps_epi32(_mm512_mul_ps(rlo, inv2)), shi = _mm512_cvtps_epi32(_mm512_mul_ps(rhi, inv2));
-          _mm_storeu_si128(reinterpret_cast<__m128i*>(q2), _mm512_cvtsepi32_epi8(slo));
-          _mm_storeu_si128(reinterpret_cast<__m128i*>(q2 + 16), _mm512_cvtsepi32_epi8(shi));
-          qsum = 254 * qsum + _mm512_reduce_add_epi32(_mm512_add_epi32(slo, shi));
-        }
+        int8_t* q2 = levels == 2 ? q1 + M * K : nullptr;
+        float s = 0.0f;
+        bool finite = true;
+#ifdef KVFENCE_PANEL_VECTOR
+        const int32_t qsum = vector ? quantize_block_vector(xb, levels, q1, q2, &s, &finite)
+                                    : quantize_block_scalar(xb, levels, q1, q2, &s, &finite);
 #else
-        float xf[QBLOCK];
-        bf16_to_f32(x + r * ldx + b * QBLOCK, xf, QBLOCK);
-        float amax = 0.0f, sum = 0.0f;
-        for (float v : xf) amax = std::max(amax, std::fabs(v)), sum += v;
-        const float s = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-        auto to_int8 = [](float v) {
-          const float q = std::nearbyint(v);
-          return std::isnan(q) ? -128 : static_cast<int32_t>(std::max(-128.0f, std::min(127.0f, q)));
-        };
-        int32_t sum1 = 0, sum2 = 0;
-        for (int64_t j = 0; j < QBLOCK; ++j) {
-          const int32_t v = to_int8(xf[j] * inv);
-          q1[j] = static_cast<int8_t>(v);
-          sum1 += v;
-          if (levels == 2) {
-            const int32_t w = to_int8((xf[j] - static_cast<float>(v) * s) * (inv * 254.0f));
-            q2[j] = static_cast<int8_t>(w);
-            sum2 += w;
-          }
-        }
-        const int32_t qsum = levels == 2 ? 254 * sum1 + sum2 : sum1;
+        (void)vector;
+        const int32_t qsum = quantize_block_scalar(xb, levels, q1, q2, &s, &finite);
 #endif
-        unit[i] = (levels == 2 ? s / 254.0f : s) + (sum - sum);  // NaN when sum is NaN or infinite
+        unit[i] = finite ? (levels == 2 ? s / 254.0f : s) : std::numeric_limits<float>::quiet_NaN();
         xsum[i] = unit[i] * static_cast<float>(qsum);
         xqsum128[i] = 128 * qsum;
       }
@@ -1088,7 +1127,7 @@ struct PanelArgs {
 template <int64_t KIND>
 constexpr int64_t panel_block_bytes() { return KIND == Q4_1 ? QBLOCK / 2 * PANEL : QBLOCK * PANEL; }
 
-#if defined(__AVX512VNNI__) && defined(__AVX512BF16__)
+#ifdef KVFENCE_PANEL_VECTOR
 // rows [r0, r0 + MT) by panels [p0, p0 + NT); LEVELS 1 or 2 (`quantize_rows`)
 template <int64_t KIND, int64_t LEVELS, int64_t MT, int64_t NT>
 inline void panel_tile(const PanelArgs& a, int64_t r0, int64_t p0) {
@@ -1179,9 +1218,10 @@ void panel_range(const PanelArgs& a, int64_t panels, int64_t t0, int64_t t1) {
     else for (int64_t p = p0; p < panels; ++p) panel_rows<KIND, LEVELS, 1>(a, p);
   }
 }
-#else
-// Without VNNI: the same integer sums and scaling, one column at a time (results equal to the vector path up to
-// the order of float32 additions).
+#endif
+
+// The same integer sums and scaling, one column at a time: the path of CPUs without AVX512-VNNI and BF16, and
+// the reference for the vector path, which gives equal results (the same float operations in the same order).
 template <int64_t KIND>
 void panel_columns_scalar(const PanelArgs& a, int64_t levels, int64_t p0, int64_t p1) {
   constexpr int64_t BB = panel_block_bytes<KIND>();
@@ -1209,22 +1249,21 @@ void panel_columns_scalar(const PanelArgs& a, int64_t levels, int64_t p0, int64_
           }
           const int64_t i = r * a.nb + b, at = (p * a.nb + b) * PANEL + lane;
           if constexpr (KIND == Q8_0) s -= a.xqsum128[i];
-          acc += static_cast<float>(s) * (half_to_float(a.dp[at]) * a.unit[i]);
-          if constexpr (KIND == Q4_1) acc += half_to_float(a.mp[at]) * a.xsum[i];
+          acc = std::fma(static_cast<float>(s), half_to_float(a.dp[at]) * a.unit[i], acc);
+          if constexpr (KIND == Q4_1) acc = std::fma(half_to_float(a.mp[at]), a.xsum[i], acc);
         }
         a.out[r * a.N + p * PANEL + lane] = f32_to_bf16(acc);
       }
 }
-#endif
 
 }  // namespace
 
 // x [M, K] bfloat16 @ W^T with W [N, K] as panels of blocks (`pack_panels`): wp uint8, d and m float16
 // [ceil(N / 16), K / 32, 16] (m empty for Q8_0). Activations are quantized per row and block of 32 to one level of
 // int8 (llama.cpp's precision) or two (`quantize_rows`; finer than bfloat16, twice the multiplies). Returns [M, N]
-// bfloat16.
-torch::Tensor panel_linear(torch::Tensor x, torch::Tensor wp, torch::Tensor d, torch::Tensor m, int64_t kind,
-                           int64_t n, int64_t levels) {
+// bfloat16. `scalar`: the scalar path even where the vector one exists (`panel_linear_scalar`, for tests).
+torch::Tensor panel_linear_impl(torch::Tensor x, torch::Tensor wp, torch::Tensor d, torch::Tensor m, int64_t kind,
+                                int64_t n, int64_t levels, bool scalar) {
   check_rows(x, "x");
   TORCH_CHECK(kind == Q4_1 || kind == Q8_0, "kind: 0 (Q4_1) or 1 (Q8_0)");
   TORCH_CHECK(levels == 1 || levels == 2, "levels: 1 or 2");
@@ -1243,32 +1282,44 @@ torch::Tensor panel_linear(torch::Tensor x, torch::Tensor wp, torch::Tensor d, t
   std::vector<int8_t> xq(levels * M * K);
   std::vector<float> unit(M * nb), xsum(M * nb);
   std::vector<int32_t> xqsum128(M * nb);
-  quantize_rows(reinterpret_cast<const uint16_t*>(x.data_ptr()), x.stride(0), M, K, levels, xq.data(), unit.data(),
-                xsum.data(), xqsum128.data());
+  quantize_rows(reinterpret_cast<const uint16_t*>(x.data_ptr()), x.stride(0), M, K, levels, !scalar, xq.data(),
+                unit.data(), xsum.data(), xqsum128.data());
   const PanelArgs a{xq.data(), unit.data(), xsum.data(), xqsum128.data(), wp.data_ptr<uint8_t>(),
                     reinterpret_cast<const uint16_t*>(d.data_ptr()),
                     kind == Q4_1 ? reinterpret_cast<const uint16_t*>(m.data_ptr()) : nullptr,
                     M, K, nb, n, reinterpret_cast<uint16_t*>(out.data_ptr())};
-#if defined(__AVX512VNNI__) && defined(__AVX512BF16__)
-  const int64_t per_task = levels == 1 ? 2 : 1;
-  at::parallel_for(0, (panels + per_task - 1) / per_task, 1, [&](int64_t begin, int64_t end) {
-    if (kind == Q4_1 && levels == 1) panel_range<Q4_1, 1>(a, panels, begin, end);
-    else if (kind == Q4_1) panel_range<Q4_1, 2>(a, panels, begin, end);
-    else if (levels == 1) panel_range<Q8_0, 1>(a, panels, begin, end);
-    else panel_range<Q8_0, 2>(a, panels, begin, end);
-  });
-#else
+#ifdef KVFENCE_PANEL_VECTOR
+  if (!scalar) {
+    const int64_t per_task = levels == 1 ? 2 : 1;
+    at::parallel_for(0, (panels + per_task - 1) / per_task, 1, [&](int64_t begin, int64_t end) {
+      if (kind == Q4_1 && levels == 1) panel_range<Q4_1, 1>(a, panels, begin, end);
+      else if (kind == Q4_1) panel_range<Q4_1, 2>(a, panels, begin, end);
+      else if (levels == 1) panel_range<Q8_0, 1>(a, panels, begin, end);
+      else panel_range<Q8_0, 2>(a, panels, begin, end);
+    });
+    return out;
+  }
+#endif
   at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
     if (kind == Q4_1) panel_columns_scalar<Q4_1>(a, levels, begin, end);
     else panel_columns_scalar<Q8_0>(a, levels, begin, end);
   });
-#endif
   return out;
 }
 
-// Whether panel_linear runs on vector instructions here (else on its slow scalar fallback).
+torch::Tensor panel_linear(torch::Tensor x, torch::Tensor wp, torch::Tensor d, torch::Tensor m, int64_t kind,
+                           int64_t n, int64_t levels) {
+  return panel_linear_impl(x, wp, d, m, kind, n, levels, false);
+}
+
+torch::Tensor panel_linear_scalar(torch::Tensor x, torch::Tensor wp, torch::Tensor d, torch::Tensor m,
+                                  int64_t kind, int64_t n, int64_t levels) {
+  return panel_linear_impl(x, wp, d, m, kind, n, levels, true);
+}
+
+// Whether panel_linear runs on vector instructions here (else on its slow scalar path).
 bool panel_vnni() {
-#if defined(__AVX512VNNI__) && defined(__AVX512BF16__)
+#ifdef KVFENCE_PANEL_VECTOR
   return true;
 #else
   return false;
@@ -1288,5 +1339,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("prefill_attention", &prefill_attention, "causal attention of a chunk over its keys (bfloat16, CPU)", nogil);
   m.def("quant_linear", &quant_linear, "x @ W^T with W as Q4_1 or Q8_0 blocks (bfloat16 activations)", nogil);
   m.def("panel_linear", &panel_linear, "x @ W^T with W as panels of Q4_1 or Q8_0 blocks (int8 activations)", nogil);
+  m.def("panel_linear_scalar", &panel_linear_scalar, "panel_linear on its scalar path (tests)", nogil);
   m.def("panel_vnni", &panel_vnni, "whether panel_linear has its AVX512-VNNI path here");
 }
