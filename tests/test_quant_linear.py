@@ -254,3 +254,47 @@ def test_panel_linear_flushes_tiny_blocks_and_keeps_huge_finite_rows(scalar):
         assert huge.isfinite().all(), levels
         rtol = 2**-8 if levels == 2 else 2**-5
         torch.testing.assert_close(huge.float(), ref, rtol=rtol, atol=rtol * float(ref.abs().max()))
+
+
+class RecordingOps:
+    """The kernels, with every panel_linear call recorded as (rows, levels)."""
+
+    def __init__(self, ops):
+        self.ops, self.calls = ops, []
+
+    def __getattr__(self, name):
+        return getattr(self.ops, name)
+
+    def panel_linear(self, x, wp, d, m, kind, n, levels):
+        self.calls.append((x.shape[0], levels))
+        return self.ops.panel_linear(x, wp, d, m, kind, n, levels)
+
+
+@pytest.mark.parametrize("mode", ["decode", "all"])
+def test_each_step_size_takes_its_path(tmp_path, monkeypatch, mode):
+    """Up to FINE_MAX_ROWS rows: two int8 levels. Beyond: oneDNN on the bfloat16 weight (`decode`) or one level
+    (`all`); the output head, whose bfloat16 weight is gone in both, one level."""
+    from kvfence.model.llama import FINE_MAX_ROWS, LlamaForCausalLM
+
+    if not OPS.panel_vnni():
+        pytest.skip("the panels need AVX512-VNNI and AVX512-BF16")
+    monkeypatch.setenv("KVFENCE_INT8", mode)
+    path = write_tiny_gguf(
+        tmp_path / "m.gguf", qtype="Q4_1", tie=True, seed=5, qtype_overrides={"token_embd.weight": "Q8_0"}
+    )
+    loaded = load_model(path, dtype=torch.bfloat16)
+    model = LlamaForCausalLM.from_weights(
+        loaded.config, loaded.weights, torch.bfloat16, "cpu", loaded.quantized
+    )
+    layer, head = model.model.layers[0].mlp.gate_up_proj, model.lm_head
+    for module in (layer, head):
+        module.kernels = RecordingOps(module.kernels)
+    hidden = loaded.config.hidden_size
+    for rows in (1, FINE_MAX_ROWS, FINE_MAX_ROWS + 1, 30):
+        x = torch.randn(rows, hidden, generator=torch.Generator().manual_seed(rows)).bfloat16()
+        for module in (layer, head):
+            module.kernels.calls.clear()
+            module(x)
+        fine = rows <= FINE_MAX_ROWS
+        assert layer.kernels.calls == ([(rows, 2)] if fine else [] if mode == "decode" else [(rows, 1)]), rows
+        assert head.kernels.calls == [(rows, 2 if fine else 1)], rows
