@@ -558,11 +558,34 @@ def return_freed_memory() -> None:
     trim_heap()
 
 
-def trim_heap() -> None:
-    """glibc's malloc_trim: return free heap pages to the OS (a step's activations leave about 100 MB of them
-    behind after a burst, docs/performance.md). No-op elsewhere."""
-    if sys.platform == "linux":
-        import ctypes
+# glibc's mallopt parameters (malloc.h) and the values trim_heap leaves set
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+MMAP_THRESHOLD = 32 << 20  # what glibc's own threshold grows to (its maximum) once steps free big activations
+TRIM_THRESHOLD = 2 * MMAP_THRESHOLD  # and the trim threshold with it: steps never pay for trimming
+IDLE_TRIM_THRESHOLD = 1 << 20
 
-        with contextlib.suppress(OSError, AttributeError):
-            ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+def trim_heap() -> None:
+    """Return free heap pages to the OS (a step's activations leave about 100 MB of them behind after a burst,
+    docs/performance.md). No-op outside glibc.
+
+    `malloc_trim` releases the free pages inside every arena, but not the top chunk of the arenas of threads other
+    than the main one: about 35 MiB stayed resident after W1 (docs/performance.md, session 10). glibc trims a
+    thread arena's top only when that thread frees 64 KiB or more and the top exceeds the trim threshold. So the
+    threshold is lowered for one such free on the calling thread (the engine thread, when it trims at idle), and
+    set back to the value glibc's dynamic threshold reaches under load, where it stays fixed (setting it turns
+    the dynamic adjustment off, so the mmap threshold is fixed at its maximum, too)."""
+    if sys.platform != "linux":
+        return
+    import ctypes
+
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL("libc.so.6")
+        libc.malloc.restype = ctypes.c_void_p
+        libc.free.argtypes = [ctypes.c_void_p]
+        libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)
+        libc.mallopt(M_TRIM_THRESHOLD, IDLE_TRIM_THRESHOLD)
+        block = libc.malloc(256 << 10)  # from this thread's arena; its free trims that arena's top
+        libc.free(block)
+        libc.mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD)
+        libc.malloc_trim(0)
