@@ -72,3 +72,16 @@ def test_trim_heap_releases_the_top_of_a_thread_arena():
     assert float(out.stdout) > 16, (
         f"trim_heap released only {float(out.stdout):.1f} MiB of a 24 MiB arena top"
     )
+
+
+def test_pd_worker_trims_once_per_idle_period_after_work():
+    from kvfence.pd.worker import IdleTrim
+
+    idle = IdleTrim(idle_s=2.0)
+    assert not idle.due(False, 10.0)  # no work yet: nothing to trim
+    assert not idle.due(True, 11.0)
+    assert not idle.due(False, 12.9)
+    assert idle.due(False, 13.0)  # 2 s after the last work
+    assert not idle.due(False, 20.0)  # once per idle period
+    assert not idle.due(True, 21.0) and not idle.due(True, 30.0)  # never while there is work
+    assert idle.due(False, 32.5)
