@@ -298,3 +298,14 @@ def test_each_step_size_takes_its_path(tmp_path, monkeypatch, mode):
         fine = rows <= FINE_MAX_ROWS
         assert layer.kernels.calls == ([(rows, 2)] if fine else [] if mode == "decode" else [(rows, 1)]), rows
         assert head.kernels.calls == [(rows, 2 if fine else 1)], rows
+
+
+@pytest.mark.parametrize("kind", ["Q4_1", "Q8_0"])
+def test_panel_shapes_are_those_of_the_panels(kind):
+    """The loader places every layer's panels in one buffer before repacking them (`hugepages.slots`), from
+    `panel_shapes`: it must say exactly what `panels()` makes."""
+    rng = np.random.default_rng(2)
+    for n, k in ((1, 32), (17, 96), (48, 64)):
+        blocks, _ = blocks_of(rng.standard_normal((n, k)).astype(np.float32), kind)
+        p = blocks.panels()
+        assert blocks.panel_shapes() == tuple((tuple(t.shape), t.dtype) for t in (p.wp, p.d, p.m))

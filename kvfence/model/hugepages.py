@@ -39,21 +39,27 @@ def empty(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
     return mapped.view(dtype).view(*shape)
 
 
-def pack(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """Copies of contiguous CPU `tensors`, laid out one after another (64-byte aligned) in one buffer that
-    `empty` allocates, so that many mid-sized weights share huge pages. Returns them in order."""
+def slots(specs: Sequence[tuple[Sequence[int], torch.dtype]]) -> list[torch.Tensor]:
+    """Uninitialized tensors of the given shapes and dtypes, laid out one after another (64-byte aligned) in one
+    buffer that `empty` allocates, so that many mid-sized weights share huge pages. Filling them one at a time
+    keeps a single source alive at once."""
     offsets, total = [], 0
-    for t in tensors:
+    for shape, dtype in specs:
         offsets.append(total)
-        total += -(-t.numel() * t.element_size() // ALIGN) * ALIGN
+        total += -(-math.prod(shape) * dtype.itemsize // ALIGN) * ALIGN
     arena = empty((total,), torch.uint8)
-    out = []
-    for t, offset in zip(tensors, offsets, strict=True):
-        nbytes = t.numel() * t.element_size()
-        placed = arena[offset : offset + nbytes].view(t.dtype).view(t.shape)
-        placed.copy_(t)
-        out.append(placed)
-    return out
+    return [
+        arena[offset : offset + math.prod(shape) * dtype.itemsize].view(dtype).view(*shape)
+        for (shape, dtype), offset in zip(specs, offsets, strict=True)
+    ]
+
+
+def pack(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Copies of contiguous CPU `tensors` in one buffer (`slots`). Returns them in order."""
+    placed = slots([(t.shape, t.dtype) for t in tensors])
+    for slot, t in zip(placed, tensors, strict=True):
+        slot.copy_(t)
+    return placed
 
 
 def _mapping(nbytes: int) -> torch.Tensor | None:

@@ -519,10 +519,15 @@ def attach_quantized(model: nn.Module, quantized: Mapping[str, QuantBlocks], ops
         ):
             takers.append((module, blocks))
     if kernels.int8_enabled() and ops.panel_vnni():
-        panels = [blocks.panels() for _, blocks in takers]
-        placed = iter(hugepages.pack([t for p in panels for t in (p.wp, p.d, p.m)]))
-        for (module, _), p in zip(takers, panels, strict=True):
-            module.panels = QuantPanels(p.kind, p.n, next(placed), next(placed), next(placed))
+        # one layer repacked at a time, straight into its place: the panels of all layers never exist twice
+        placed = iter(hugepages.slots([spec for _, blocks in takers for spec in blocks.panel_shapes()]))
+        for module, blocks in takers:
+            p = blocks.panels()
+            wp, d, m = next(placed), next(placed), next(placed)
+            wp.copy_(p.wp)
+            d.copy_(p.d)
+            m.copy_(p.m)
+            module.panels = QuantPanels(p.kind, p.n, wp, d, m)
             module.kernels = ops
             # The head sees only sampled rows (one per sequence): every step takes its panels, in one level beyond
             # FINE_MAX_ROWS, where two levels are slower than oneDNN was (docs/performance.md, session 10).

@@ -117,6 +117,19 @@ class QuantBlocks:
             m,
         )
 
+    def panel_shapes(self) -> tuple[tuple[tuple[int, ...], torch.dtype], ...]:
+        """The shapes and dtypes of `panels()`' wp, d and m, without repacking."""
+        n, k = self.shape
+        nb, panels = k // QBLOCK, -(-n // PANEL)
+        group_bytes = QBLOCK // 2 if self.kind == "Q4_1" else QBLOCK
+        scales = (panels, nb, PANEL)
+        m = scales if self.kind == "Q4_1" else (0,)
+        return (
+            ((panels * nb * group_bytes * PANEL,), torch.uint8),
+            (scales, torch.float16),
+            (m, torch.float16),
+        )
+
     def panels(self) -> QuantPanels:
         """The same blocks repacked for `panel_linear` (int8 activations, kvfence/model/kernels): panels of 16
         output columns, one column per 32-bit lane, blocks of each panel one after another along K. Q4_1: 4 groups
