@@ -33,10 +33,12 @@ TARGET_MIB = 400e6 / 2**20
 
 
 def rss_kib(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1])
-    return 0
+    """VmRSS of a process; 0 once it is gone (or a zombie)."""
+    try:
+        lines = Path(f"/proc/{pid}/status").read_text().splitlines()
+    except OSError:
+        return 0
+    return next((int(line.split()[1]) for line in lines if line.startswith("VmRSS:")), 0)
 
 
 def descendants(pid: int) -> list[int]:
@@ -57,7 +59,10 @@ def descendants(pid: int) -> list[int]:
 
 
 def command_line(pid: int) -> str:
-    return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+    except OSError:
+        return ""
 
 
 def wait_healthy(url: str, proc: subprocess.Popen[bytes], seconds: float) -> None:
@@ -163,7 +168,11 @@ def main() -> None:
         engine = worker or (args.mode == "colocated" and pid == server.pid)
         beyond = mib - weights - pool if engine else mib
         verdict = "" if beyond < TARGET_MIB else "  over the target"
-        role = "server" if pid == server.pid else line.split(" -m kvfence ")[-1].split()[0] + " worker"
+        role = (
+            "server"
+            if pid == server.pid
+            else (line.split(" -m kvfence ")[-1].split() or ["?"])[0] + " worker"
+        )
         print(f"{pid:8d} {mib:9.1f} {beyond:11.1f}  {role}{verdict}")
     print(f"target: < {TARGET_MIB:.1f} MiB (400 MB) beyond weights and pool, per process")
 

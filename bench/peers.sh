@@ -57,7 +57,8 @@ workloads() {  # workloads LABEL [extra bench/serve.py flags]: W1 and W2 against
   done
 }
 
-descendants() {  # descendants PID: every process under PID
+descendants() {  # descendants PID: every process under PID (pgrep, from procps)
+  command -v pgrep >/dev/null || { log "no pgrep: RSS counts the server's own process only"; return 0; }
   local kid
   for kid in $(pgrep -P "$1" || true); do echo "$kid"; descendants "$kid"; done
 }
@@ -66,7 +67,7 @@ record_rss() {  # record_rss LABEL PID: RSS of the server and every process unde
   sleep 4  # kvfence hands freed heap pages back after 2 s without work; every server gets the same wait
   local kib=0 p
   for p in "$2" $(descendants "$2"); do
-    kib=$((kib + $(awk '/^VmRSS/ {print $2}' "/proc/$p/status" 2>/dev/null || echo 0)))
+    kib=$((kib + $(awk '/^VmRSS/ {v = $2} END {print v + 0}' "/proc/$p/status" 2>/dev/null || echo 0)))
   done
   echo $((kib / 1024)) >"$RESULTS/$1.rss"
 }

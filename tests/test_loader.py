@@ -304,3 +304,17 @@ def test_fetch_rejects_a_bad_download(tmp_path: Path, monkeypatch) -> None:
 def test_kvfence_cache_env(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setenv("KVFENCE_CACHE", str(tmp_path))
     assert fetch.default_models_dir() == tmp_path / "models"
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="reads /proc/self/maps")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_loaded_weights_do_not_map_the_checkpoint(tmp_path, dtype):
+    """The model keeps the loader's tensors as its parameters: a tensor that mapped the safetensors file would keep
+    the whole mapping, and every page loading touched, resident for the life of the server."""
+    import gc
+
+    path = mf.write_tiny_hf_dir(tmp_path / "m", seed=1)
+    loaded = load_model(path, dtype=dtype)
+    gc.collect()
+    assert str(tmp_path) not in Path("/proc/self/maps").read_text()
+    assert loaded.weights

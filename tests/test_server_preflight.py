@@ -250,3 +250,12 @@ def test_linear_layers_over_many_input_shapes_keep_memory_bounded():
         grown[mode] = int(out.stdout.split()[-1])
     assert grown["uncapped"] > 150, grown  # the probe does show the growth (about 280 MB here)
     assert grown["defaults"] < 60, grown  # about 33 MB here
+
+
+def test_serve_refuses_an_unknown_int8_mode_before_loading(monkeypatch, capsys):
+    from kvfence.cli import build_parser
+    from kvfence.server.launch import cmd_serve
+
+    monkeypatch.setenv("KVFENCE_INT8", "bogus")
+    assert cmd_serve(build_parser().parse_args(["serve", "--model", "/nonexistent.gguf"])) == 2
+    assert "KVFENCE_INT8='bogus'" in capsys.readouterr().err

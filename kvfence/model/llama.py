@@ -398,15 +398,20 @@ class LlamaForCausalLM(nn.Module):
         missing = expected - set(weights)
         if missing:
             raise ValueError(f"weights missing for: {sorted(missing)[:5]}")
-        # the loader's tensors become the parameters (no copy; `to_empty` would run torch's Python reference
-        # kernels on the meta tensors, which import sympy and hundreds of modules: see `Linear`)
-        model.load_state_dict({k: v for k, v in weights.items() if k in expected}, strict=False, assign=True)
+        # The loader's tensors become the parameters, converted to the target dtype and device where they differ
+        # (`to_empty` and a copy would run torch's Python reference kernels on the meta tensors, which import
+        # sympy and hundreds of modules: see `Linear`). The loader's tensors own their memory (`load_model`).
+        target = torch.device(device)
+        model.load_state_dict(
+            {k: v.to(device=target, dtype=dtype) for k, v in weights.items() if k in expected},
+            strict=False,
+            assign=True,
+        )
         if cfg.tie_word_embeddings:  # assigning replaced the shared parameter in one place: tie again
             model.lm_head.weight = model.model.embed_tokens.weight
-        model = model.to(device=device, dtype=dtype).eval()
-        assert not any(t.is_meta for t in model.state_dict().values()), (
-            "a parameter was left on the meta device"
-        )
+        model = model.eval()
+        if any(t.is_meta for t in model.state_dict().values()):
+            raise RuntimeError("a parameter was left on the meta device")
         model.rotary = Rotary(cfg.head_dim, cfg.context_length, cfg.rope_theta, device)
         if PackedLinear.supported(dtype, device):
             pack_linears(model)

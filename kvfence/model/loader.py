@@ -195,7 +195,8 @@ class LoadedModel:
 
 
 def load_model(path: str | os.PathLike[str], dtype: torch.dtype = torch.float32) -> LoadedModel:
-    """Load a `.gguf` file or a Hugging Face model directory; weights are cast to `dtype` on CPU."""
+    """Load a `.gguf` file or a Hugging Face model directory; weights are cast to `dtype` on CPU. The weights own
+    their memory (none maps the checkpoint), so a model may keep them as its parameters."""
     p = Path(path)
     quantized: dict[str, QuantBlocks] = {}
     if p.is_dir():
@@ -503,7 +504,9 @@ def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
     weights: dict[str, torch.Tensor] = {}
     for f in files:
         try:
-            weights |= load_file(str(f))
+            # copies: load_file's tensors map the file, and a model that kept any of them (its parameters are the
+            # loader's tensors) would keep every page of the file that loading touched resident
+            weights |= {name: t.clone() for name, t in load_file(str(f)).items()}
         except (SafetensorError, OSError, ValueError) as e:
             raise ModelLoadError(f"{f}: cannot read safetensors: {e}") from e
     return weights

@@ -1048,7 +1048,7 @@ int32_t quantize_block_scalar(const uint16_t* x, int64_t levels, int8_t* q1, int
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BF16__)
 #define KVFENCE_PANEL_VECTOR 1
-// The same with AVX-512 (equal results: the same float operations, rounded the same way).
+// The same with AVX-512 (the same quants: the same float operations, rounded the same way).
 int32_t quantize_block_vector(const uint16_t* x, int64_t levels, int8_t* q1, int8_t* q2, float* s, bool* finite) {
   const __m512 lo = load_bf16x16(x), hi = load_bf16x16(x + 16), zero = _mm512_setzero_ps();
   // x * 0 is NaN for a NaN or an infinity and zero otherwise
@@ -1221,7 +1221,8 @@ void panel_range(const PanelArgs& a, int64_t panels, int64_t t0, int64_t t1) {
 #endif
 
 // The same integer sums and scaling, one column at a time: the path of CPUs without AVX512-VNNI and BF16, and
-// the reference for the vector path, which gives equal results (the same float operations in the same order).
+// the reference for the vector path, which gives the same bits (the same float operations in the same order),
+// except that its conversion to bfloat16 flushes denormal outputs to zero and keeps the sign of a NaN.
 template <int64_t KIND>
 void panel_columns_scalar(const PanelArgs& a, int64_t levels, int64_t p0, int64_t p1) {
   constexpr int64_t BB = panel_block_bytes<KIND>();
