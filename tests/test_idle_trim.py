@@ -75,7 +75,10 @@ def _glibc_untuned() -> bool:
     )
 
 
-@pytest.mark.skipif(not _glibc_untuned(), reason="glibc's arenas, with their default tunables")
+@pytest.mark.skipif(
+    not _glibc_untuned(),
+    reason="measures glibc's thread arenas: needs glibc without MALLOC_* or GLIBC_TUNABLES",
+)
 def test_trim_heap_releases_the_top_of_a_thread_arena():
     """malloc_trim alone leaves the top chunk of a non-main thread's arena resident (the engine thread's: about
     35 MiB after W1); trim_heap lowers the trim threshold for one free on the calling thread, which releases it."""

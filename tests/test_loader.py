@@ -306,7 +306,9 @@ def test_kvfence_cache_env(tmp_path: Path, monkeypatch) -> None:
     assert fetch.default_models_dir() == tmp_path / "models"
 
 
-@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="reads /proc/self/maps")
+@pytest.mark.skipif(
+    not Path("/proc/self/maps").exists(), reason="the mappings are read from /proc/self/maps (Linux)"
+)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_loaded_weights_do_not_map_the_checkpoint(tmp_path, dtype):
     """The model keeps the loader's tensors as its parameters: a tensor that mapped the safetensors file would keep

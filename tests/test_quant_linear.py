@@ -83,17 +83,11 @@ def test_loader_keeps_the_blocks_of_exactly_the_weights_it_dequantizes(tmp_path)
     assert load_model(f16, dtype=torch.bfloat16).quantized == {}
 
 
-@pytest.mark.parametrize("mode", ["0", "decode", "all"])
-def test_bfloat16_model_multiplies_by_the_blocks(tmp_path, monkeypatch, mode):
-    """The fused projections and the tied head carry the blocks: as the GGUF lays them out for bfloat16
-    activations (`KVFENCE_INT8=0`), or as panels for int8 ones (`decode`, the default: few-row steps only; `all`:
-    every step, and the bfloat16 weight is dropped). Logits stay within bfloat16-class error of the bfloat16 weights'
-    and greedy choices agree with float32."""
-    from kvfence.model import llama
-    from kvfence.model.llama import LlamaForCausalLM, PackedLinear
-    from tests.test_forward import run_paged
+def tiny_quantized_model(tmp_path):
+    """A tiny tied GGUF model (Q4_1 layers, Q8_0 embedding and head) loaded in bfloat16 with its blocks attached
+    as KVFENCE_INT8 says: (path, loaded, model)."""
+    from kvfence.model.llama import LlamaForCausalLM
 
-    monkeypatch.setenv("KVFENCE_INT8", mode)
     path = write_tiny_gguf(
         tmp_path / "m.gguf", qtype="Q4_1", tie=True, seed=5, qtype_overrides={"token_embd.weight": "Q8_0"}
     )
@@ -101,6 +95,21 @@ def test_bfloat16_model_multiplies_by_the_blocks(tmp_path, monkeypatch, mode):
     model = LlamaForCausalLM.from_weights(
         loaded.config, loaded.weights, torch.bfloat16, "cpu", loaded.quantized
     )
+    return path, loaded, model
+
+
+@pytest.mark.parametrize("mode", ["0", "decode", "all"])
+def test_bfloat16_model_multiplies_by_the_blocks(tmp_path, monkeypatch, mode):
+    """The fused projections and the tied head carry the blocks: as the GGUF lays them out for bfloat16
+    activations (`KVFENCE_INT8=0`), or as panels for int8 ones (`decode`, the default: few-row steps only; `all`:
+    every step, and the bfloat16 weight is dropped). Logits stay within bfloat16-class error of the bfloat16 weights'
+    and greedy choices agree with float32."""
+    from kvfence.model import llama
+    from kvfence.model.llama import PackedLinear
+    from tests.test_forward import run_paged
+
+    monkeypatch.setenv("KVFENCE_INT8", mode)
+    path, loaded, model = tiny_quantized_model(tmp_path)
     linears = {name: m for name, m in model.named_modules() if isinstance(m, PackedLinear)}
     int8 = mode != "0" and OPS.panel_vnni()  # without AVX512-VNNI and BF16 the model takes `quant_linear`
     taken = {n: (m.panels if int8 else m.quant) for n, m in linears.items()}
@@ -273,20 +282,17 @@ class RecordingOps:
 @pytest.mark.parametrize("mode", ["decode", "all"])
 def test_each_step_size_takes_its_path(tmp_path, monkeypatch, mode):
     """Up to FINE_MAX_ROWS rows: two int8 levels. Beyond: oneDNN on the bfloat16 weight (`decode`) or one level
-    (`all`); the output head, whose bfloat16 weight is gone in both, one level."""
-    from kvfence.model.llama import FINE_MAX_ROWS, LlamaForCausalLM
+    (`all`); the output head, whose bfloat16 weight is gone in both, one level. Without AVX512-VNNI and BF16 no
+    step takes panels: the layers keep their blocks for `quant_linear`."""
+    from kvfence.model.llama import FINE_MAX_ROWS
 
-    if not OPS.panel_vnni():
-        pytest.skip("the panels need AVX512-VNNI and AVX512-BF16")
     monkeypatch.setenv("KVFENCE_INT8", mode)
-    path = write_tiny_gguf(
-        tmp_path / "m.gguf", qtype="Q4_1", tie=True, seed=5, qtype_overrides={"token_embd.weight": "Q8_0"}
-    )
-    loaded = load_model(path, dtype=torch.bfloat16)
-    model = LlamaForCausalLM.from_weights(
-        loaded.config, loaded.weights, torch.bfloat16, "cpu", loaded.quantized
-    )
+    _, loaded, model = tiny_quantized_model(tmp_path)
     layer, head = model.model.layers[0].mlp.gate_up_proj, model.lm_head
+    if not OPS.panel_vnni():
+        assert layer.panels is None and head.panels is None
+        assert layer.quant is not None and head.quant is not None
+        return
     for module in (layer, head):
         module.kernels = RecordingOps(module.kernels)
     hidden = loaded.config.hidden_size

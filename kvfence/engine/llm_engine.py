@@ -564,6 +564,7 @@ M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
 MMAP_THRESHOLD = 32 << 20  # what glibc's own threshold grows to (its maximum) once steps free big activations
 TRIM_THRESHOLD = 2 * MMAP_THRESHOLD  # and the trim threshold with it: steps never pay for trimming
 IDLE_TRIM_THRESHOLD = 1 << 20
+IDLE_TRIM_S = 2.0  # a server (colocated or PD worker) trims once it has had no work for this long
 
 
 def trim_heap() -> None:

@@ -536,9 +536,8 @@ def attach_quantized(model: nn.Module, quantized: Mapping[str, QuantBlocks], ops
             module.kernels = ops
             # The head sees only sampled rows (one per sequence): every step takes its panels, in one level beyond
             # FINE_MAX_ROWS, where two levels are slower than oneDNN was (docs/performance.md, session 10).
-            if (
-                module is head or kernels.int8_prefill()
-            ):  # every step takes the panels: the bfloat16 weight goes
+            every_step = module is head or kernels.int8_prefill()
+            if every_step:  # the bfloat16 weight goes
                 module.panel_max_rows = sys.maxsize
                 module.packed_weight = torch.empty(0, dtype=module.packed_weight.dtype)
         return

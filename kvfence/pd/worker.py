@@ -22,7 +22,7 @@ from typing import Any
 import zmq
 
 from kvfence.dashboard.snapshot import KvMapper
-from kvfence.engine.llm_engine import LLMEngine, trim_heap
+from kvfence.engine.llm_engine import IDLE_TRIM_S, LLMEngine, trim_heap
 from kvfence.pd import control, wire
 from kvfence.pd.cores import CoreShare
 from kvfence.pd.local import layout_fingerprint
@@ -36,7 +36,6 @@ HEARTBEAT_S = 0.5  # the router declares a worker dead after several missed hear
 HEALTH_REFRESH_S = 0.1  # how stale a heartbeat's pool counts may be
 ROUTER_SILENCE_S = 15.0  # a registered worker whose router has said nothing for this long exits
 REGISTRATION_WAIT_S = 600.0  # a worker no router has accepted for this long exits (its router is gone)
-IDLE_TRIM_S = 2.0  # as the colocated server (kvfence/server/async_engine.py): trim the heap once this idle
 
 
 class IdleTrim:

@@ -30,7 +30,7 @@ from typing import Any, Protocol, TypeVar
 
 from kvfence.engine.admission import admit
 from kvfence.engine.errors import TooManyChoices
-from kvfence.engine.llm_engine import LLMEngine, trim_heap
+from kvfence.engine.llm_engine import IDLE_TRIM_S, LLMEngine, trim_heap
 from kvfence.engine.output import RequestOutput
 from kvfence.engine.request import Request, SamplingParams
 from kvfence.ids import RequestId
@@ -40,7 +40,6 @@ from kvfence.kv.prefix_cache import PrefixCacheStats
 log = logging.getLogger("kvfence.server")
 T = TypeVar("T")
 # after this long without a step, the engine thread hands the heap's freed pages back to the OS
-IDLE_TRIM_S = 2.0
 Item = tuple[int, RequestOutput]
 
 
