@@ -114,14 +114,17 @@ def test_bfloat16_model_multiplies_by_the_blocks(tmp_path, monkeypatch, mode):
     int8 = mode != "0" and OPS.panel_vnni()  # without AVX512-VNNI and BF16 the model takes `quant_linear`
     taken = {n: (m.panels if int8 else m.quant) for n, m in linears.items()}
     assert all(t is not None for t in taken.values()), [n for n, t in taken.items() if t is None]
-    assert taken["lm_head"].kind == "Q8_0"
+    head = model.lm_head
+    assert isinstance(head, llama.OutputHead) and "lm_head" not in linears
     qkv = linears["model.layers.0.self_attn.qkv_proj"]
     if not int8:
         assert qkv.quant.shape == (qkv.out_features, loaded.config.hidden_size) and qkv.panels is None
+        # the head multiplies by the embedding's own bfloat16 tensor (float32 sums), no copy of it
+        assert head.panels is None and head.weight is model.model.embed_tokens.weight
     else:
         assert qkv.panels.n == qkv.out_features and qkv.quant is None
         assert (qkv.packed_weight.numel() == 0) == (mode == "all")  # kept only where prefills still use it
-        assert linears["lm_head"].packed_weight.numel() == 0  # the head takes the blocks for every step
+        assert head.panels.kind == "Q8_0" and head.weight.numel() == 0  # the blocks for every step
 
     ids = torch.randint(
         0, loaded.config.vocab_size, (30,), generator=torch.Generator().manual_seed(1)
@@ -231,6 +234,39 @@ def test_panel_linear_vector_path_equals_the_scalar_one(kind, levels):
             args = (panels.wp, panels.d, panels.m, panels.kind_id, panels.n, levels)
             vector, scalar = OPS.panel_linear(x, *args), OPS.panel_linear_scalar(x, *args)
             torch.testing.assert_close(vector, scalar, rtol=0, atol=0, equal_nan=True, msg=f"{k} {n} {rows}")
+            # the output head's float32 logits: the same sums, not rounded (the bfloat16 outputs are their rounding)
+            vector32 = OPS.panel_linear_f32(x, *args)
+            scalar32 = OPS.panel_linear_scalar(x, *args, out_f32=True)
+            assert vector32.dtype == scalar32.dtype == torch.float32
+            torch.testing.assert_close(
+                vector32, scalar32, rtol=0, atol=0, equal_nan=True, msg=f"{k} {n} {rows}"
+            )
+            finite = torch.isfinite(vector32) & (vector32.abs() > 1e-30)  # past bfloat16's flushed denormals
+            assert torch.equal(vector32.bfloat16()[finite], vector[finite])
+
+
+@pytest.mark.parametrize("k,n", [(32, 1), (64, 37), (576, 130), (96, 65)])
+def test_linear_f32_is_float32_precise_on_bfloat16_inputs(k, n):
+    """The output head's kernel on bfloat16 weights: products of bfloat16 pairs are exact and sums stay float32, so
+    logits are within float32 noise of a float64 reference, never rounded to bfloat16 (issue 20: a 0.08 gap at a
+    logit of 25 became an exact tie in bfloat16, and the lower token id won)."""
+    rng = np.random.default_rng(k + n)
+    w = torch.from_numpy(rng.standard_normal((n, k)).astype(np.float32)).bfloat16()
+    for rows in (1, 3, 8, 9, 20):  # one row tile, several, and the rows left over
+        x = torch.from_numpy(rng.standard_normal((rows, k)).astype(np.float32) * 4).bfloat16()
+        out = OPS.linear_f32(x, w)
+        ref = x.double() @ w.double().T
+        assert out.dtype == torch.float32 and out.shape == (rows, n)
+        torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()))
+    assert not torch.equal(out, out.bfloat16().float())  # not rounded to bfloat16
+    strided = torch.from_numpy(rng.standard_normal((3, k + 32)).astype(np.float32)).bfloat16()[:, :k]
+    torch.testing.assert_close(
+        OPS.linear_f32(strided, w).double(), strided.double() @ w.double().T, rtol=1e-5, atol=1e-4
+    )
+    with pytest.raises(RuntimeError, match="K"):
+        OPS.linear_f32(x[:, : k - 16] if k > 16 else x, w)
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        OPS.linear_f32(x, w.float())
 
 
 @pytest.mark.parametrize("scalar", [False, True])
@@ -278,12 +314,17 @@ class RecordingOps:
         self.calls.append((x.shape[0], levels))
         return self.ops.panel_linear(x, wp, d, m, kind, n, levels)
 
+    def panel_linear_f32(self, x, wp, d, m, kind, n, levels):
+        self.calls.append((x.shape[0], levels, "f32"))
+        return self.ops.panel_linear_f32(x, wp, d, m, kind, n, levels)
+
 
 @pytest.mark.parametrize("mode", ["decode", "all"])
 def test_each_step_size_takes_its_path(tmp_path, monkeypatch, mode):
     """Up to FINE_MAX_ROWS rows: two int8 levels. Beyond: oneDNN on the bfloat16 weight (`decode`) or one level
-    (`all`); the output head, whose bfloat16 weight is gone in both, one level. Without AVX512-VNNI and BF16 no
-    step takes panels: the layers keep their blocks for `quant_linear`."""
+    (`all`); the output head, whose bfloat16 weight is gone in both, one level, with float32 logits. Without
+    AVX512-VNNI and BF16 no step takes panels: the layers keep their blocks for `quant_linear`, and the head its
+    bfloat16 weight for `linear_f32`."""
     from kvfence.model.llama import FINE_MAX_ROWS
 
     monkeypatch.setenv("KVFENCE_INT8", mode)
@@ -291,7 +332,7 @@ def test_each_step_size_takes_its_path(tmp_path, monkeypatch, mode):
     layer, head = model.model.layers[0].mlp.gate_up_proj, model.lm_head
     if not OPS.panel_vnni():
         assert layer.panels is None and head.panels is None
-        assert layer.quant is not None and head.quant is not None
+        assert layer.quant is not None and head.weight.numel() > 0
         return
     for module in (layer, head):
         module.kernels = RecordingOps(module.kernels)
@@ -303,7 +344,7 @@ def test_each_step_size_takes_its_path(tmp_path, monkeypatch, mode):
             module(x)
         fine = rows <= FINE_MAX_ROWS
         assert layer.kernels.calls == ([(rows, 2)] if fine else [] if mode == "decode" else [(rows, 1)]), rows
-        assert head.kernels.calls == [(rows, 2 if fine else 1)], rows
+        assert head.kernels.calls == [(rows, 2 if fine else 1, "f32")], rows
 
 
 @pytest.mark.parametrize("kind", ["Q4_1", "Q8_0"])

@@ -345,7 +345,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.model = LlamaBody(cfg)
-        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head: Linear | OutputHead = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rotary: Rotary | None = None  # built on the target device by from_weights
@@ -366,7 +366,7 @@ class LlamaForCausalLM(nn.Module):
             x = self.kernels.add_rms_norm_(x, delta, self.model.norm.weight, self.model.norm.eps)
             if meta.sample_idx.numel() != x.shape[0]:
                 x = x[meta.sample_idx]
-            return self.lm_head(x).float()  # type: ignore[no-any-return]
+            return self.lm_head(x)  # type: ignore[no-any-return]
         hide = None
         if meta.decode_pages is not None and meta.decode_lens is not None:  # padding and beyond: masked
             slots = torch.arange(meta.decode_pages.shape[1] * cache.page_size, device=x.device)
@@ -377,8 +377,7 @@ class LlamaForCausalLM(nn.Module):
         if meta.sample_idx.numel() != x.shape[0]:  # only the tokens we sample pay for the norm and the head
             x = x[meta.sample_idx]
         x = self.model.norm(x)
-        logits: Tensor = self.lm_head(x).float()
-        return logits
+        return self.lm_head(x)  # type: ignore[no-any-return]
 
     @classmethod
     def from_weights(
@@ -409,6 +408,8 @@ class LlamaForCausalLM(nn.Module):
         )
         if cfg.tie_word_embeddings:  # assigning replaced the shared parameter in one place: tie again
             model.lm_head.weight = model.model.embed_tokens.weight
+        assert isinstance(model.lm_head, Linear)
+        model.lm_head = OutputHead(model.lm_head)  # float32 logits on every path
         model = model.eval()
         if any(t.is_meta for t in model.state_dict().values()):
             raise RuntimeError("a parameter was left on the meta device")
@@ -418,7 +419,7 @@ class LlamaForCausalLM(nn.Module):
         if dtype == torch.bfloat16 and torch.device(device).type == "cpu" and kernels.supports(cfg.head_dim):
             ops = kernels.ops()  # None when switched off or not buildable: the torch path then
             for module in model.modules():
-                if isinstance(module, (LlamaForCausalLM, Attention, MLP)):
+                if isinstance(module, (LlamaForCausalLM, Attention, MLP, OutputHead)):
                     module.kernels = ops
             if ops is not None and quantized and kernels.quant_enabled():
                 attach_quantized(model, fuse_quantized(quantized, cfg), ops)
@@ -495,6 +496,63 @@ DECODE_ROWS_HINT = 8  # oneDNN picks the packed layout for this many rows; any r
 QUANT_MAX_ROWS = {"Q4_1": 6, "Q8_0": 2}
 
 
+class OutputHead(nn.Module):
+    """The output head: hidden states [N, D] -> float32 logits [N, V], in every dtype and on every path.
+
+    Logits are never rounded to bfloat16 (issue 20, docs/quality.md): at a logit of 25 one bfloat16 step is 0.125,
+    so two tokens 0.08 apart in float32 became an exact tie, greedy took the lower token id, and the same prompt
+    answered differently on two CPUs. The sums of every path below stay float32:
+      - `panels` (the GGUF's Q4_1/Q8_0 blocks, with AVX512-VNNI): `panel_linear_f32`, int8 activations in two
+        levels up to FINE_MAX_ROWS rows and one beyond, for every step; the bfloat16 weight is then dropped;
+      - the C++ kernels otherwise: `linear_f32` on the bfloat16 weight (exact products, float32 sums);
+      - the torch path: float32 matmuls over slices of the bfloat16 weight, upcast one slice at a time.
+    A tied head holds the embedding's tensor itself: no second copy."""
+
+    panels: QuantPanels | None = None
+    fine_max_rows = FINE_MAX_ROWS
+    kernels: ModuleType | None = None
+    SLICE_ROWS = 1024  # vocabulary rows upcast at a time on the torch path (2.3 MB of float32 at D = 576)
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.weight = linear.weight
+        self.bias = linear.bias
+        self.out_features, self.in_features = linear.weight.shape
+
+    def drop_weight(self) -> None:
+        """Every step takes the panels: the bfloat16 weight goes (a tied embedding keeps its own reference)."""
+        self.weight = nn.Parameter(torch.empty(0, dtype=self.weight.dtype), requires_grad=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        rows = x.reshape(-1, self.in_features)
+        p, ops = self.panels, self.kernels
+        if p is not None and ops is not None:
+            levels = 2 if rows.shape[0] <= self.fine_max_rows else 1
+            out: Tensor = ops.panel_linear_f32(rows, p.wp, p.d, p.m, p.kind_id, p.n, levels)
+        elif ops is not None and self.in_features % 32 == 0:
+            out = ops.linear_f32(rows, self.weight)
+        else:
+            out = float32_linear(rows, self.weight, self.SLICE_ROWS)
+        if self.bias is not None:
+            out = out + self.bias.float()
+        return out.view(*x.shape[:-1], self.out_features)
+
+
+def float32_linear(x: Tensor, weight: Tensor, slice_rows: int) -> Tensor:
+    """x @ weight^T in float32 whatever their dtype. A lower-precision weight is upcast `slice_rows` output rows at a
+    time on the CPU (never a float32 copy of the whole matrix), at once on an accelerator."""
+    xf = x.float()
+    if weight.dtype == torch.float32:
+        return F.linear(xf, weight)
+    if weight.device.type != "cpu":
+        return F.linear(xf, weight.float())
+    out = torch.empty(x.shape[0], weight.shape[0], dtype=torch.float32, device=x.device)
+    for start in range(0, weight.shape[0], slice_rows):
+        part = weight[start : start + slice_rows]
+        torch.matmul(xf, part.float().t(), out=out[:, start : start + part.shape[0]])
+    return out
+
+
 def fuse_quantized(quantized: Mapping[str, QuantBlocks], cfg: ModelConfig) -> dict[str, QuantBlocks]:
     """The blocks under this model's parameter names: q/k/v and gate/up concatenated like `fuse_projections`
     (a group whose parts differ in kind is dropped, and those layers keep the bfloat16 weights); a tied head
@@ -510,20 +568,20 @@ def attach_quantized(model: nn.Module, quantized: Mapping[str, QuantBlocks], ops
     activations (the default where the CPU has AVX512-VNNI and AVX512-BF16; the output head, which sees one row
     per sequence, takes them for every step and drops its bfloat16 copy, as every layer does with
     `KVFENCE_INT8=all`), or as the GGUF lays them out for bfloat16 activations (`KVFENCE_INT8=0`, or a CPU
-    without those instructions). Every decode step streams all of them, so they move into one buffer on huge
-    pages (`hugepages.pack`)."""
-    takers: list[tuple[PackedLinear, QuantBlocks]] = []
-    head = getattr(model, "lm_head", None)
+    without those instructions; the output head then keeps its bfloat16 weight for `linear_f32`). Every decode
+    step streams all of them, so they move into one buffer on huge pages (`hugepages.pack`)."""
+    takers: list[tuple[PackedLinear | OutputHead, QuantBlocks]] = []
+    panels = kernels.int8_enabled() and ops.panel_vnni()
     for name, module in model.named_modules():
         blocks = quantized.get(name + ".weight")
         if (
-            isinstance(module, PackedLinear)
+            (isinstance(module, PackedLinear) or (panels and isinstance(module, OutputHead)))
             and blocks is not None
             and module.bias is None
             and blocks.shape == (module.out_features, module.in_features)
         ):
             takers.append((module, blocks))
-    if kernels.int8_enabled() and ops.panel_vnni():
+    if panels:
         # one layer repacked at a time, straight into its place: the panels of all layers never exist twice
         placed = iter(hugepages.slots([spec for _, blocks in takers for spec in blocks.panel_shapes()]))
         for module, blocks in takers:
@@ -536,20 +594,21 @@ def attach_quantized(model: nn.Module, quantized: Mapping[str, QuantBlocks], ops
             module.kernels = ops
             # The head sees only sampled rows (one per sequence): every step takes its panels, in one level beyond
             # FINE_MAX_ROWS, where two levels are slower than oneDNN was (docs/performance.md, session 10).
-            every_step = module is head or kernels.int8_prefill()
-            if every_step:  # the bfloat16 weight goes
+            if isinstance(module, OutputHead):
+                module.drop_weight()
+            elif kernels.int8_prefill():  # the bfloat16 weight goes
                 module.panel_max_rows = sys.maxsize
                 module.packed_weight = torch.empty(0, dtype=module.packed_weight.dtype)
         return
     placed = iter(hugepages.pack([t for _, b in takers for t in (b.qs, b.d, b.m)]))
     for module, blocks in takers:
+        assert isinstance(module, PackedLinear)  # the head takes blocks only as panels
         module.quant = QuantBlocks(blocks.kind, next(placed), next(placed), next(placed))
         module.kernels = ops
 
 
 def pack_linears(model: nn.Module) -> None:
-    """Replace every nn.Linear by a PackedLinear (a tied output head gets its own packed copy; the embedding
-    keeps the original)."""
+    """Replace every nn.Linear by a PackedLinear (the output head is an `OutputHead`, whose logits stay float32)."""
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, nn.Linear):

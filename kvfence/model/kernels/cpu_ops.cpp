@@ -1121,7 +1121,8 @@ struct PanelArgs {
   const uint16_t* dp;
   const uint16_t* mp;
   int64_t M, K, nb, N;
-  uint16_t* out;
+  void* out;     // [M, N]: float32 when out_f32 (logits), else bfloat16
+  bool out_f32;
 };
 
 template <int64_t KIND>
@@ -1190,8 +1191,11 @@ inline void panel_tile(const PanelArgs& a, int64_t r0, int64_t p0) {
     const int64_t n0 = (p0 + c) * PANEL;
     const __mmask16 keep = a.N - n0 >= PANEL ? static_cast<__mmask16>(0xffff)
                                              : static_cast<__mmask16>((1u << (a.N - n0)) - 1);
-    for (int64_t r = 0; r < MT; ++r)
-      _mm256_mask_storeu_epi16(a.out + (r0 + r) * a.N + n0, keep, (__m256i)_mm512_cvtneps_pbh(acc[r][c]));
+    for (int64_t r = 0; r < MT; ++r) {
+      const int64_t at = (r0 + r) * a.N + n0;
+      if (a.out_f32) _mm512_mask_storeu_ps(static_cast<float*>(a.out) + at, keep, acc[r][c]);
+      else _mm256_mask_storeu_epi16(static_cast<uint16_t*>(a.out) + at, keep, (__m256i)_mm512_cvtneps_pbh(acc[r][c]));
+    }
   }
 }
 
@@ -1253,7 +1257,9 @@ void panel_columns_scalar(const PanelArgs& a, int64_t levels, int64_t p0, int64_
           acc = std::fma(static_cast<float>(s), half_to_float(a.dp[at]) * a.unit[i], acc);
           if constexpr (KIND == Q4_1) acc = std::fma(half_to_float(a.mp[at]), a.xsum[i], acc);
         }
-        a.out[r * a.N + p * PANEL + lane] = f32_to_bf16(acc);
+        const int64_t at = r * a.N + p * PANEL + lane;
+        if (a.out_f32) static_cast<float*>(a.out)[at] = acc;
+        else static_cast<uint16_t*>(a.out)[at] = f32_to_bf16(acc);
       }
 }
 
@@ -1262,9 +1268,10 @@ void panel_columns_scalar(const PanelArgs& a, int64_t levels, int64_t p0, int64_
 // x [M, K] bfloat16 @ W^T with W [N, K] as panels of blocks (`pack_panels`): wp uint8, d and m float16
 // [ceil(N / 16), K / 32, 16] (m empty for Q8_0). Activations are quantized per row and block of 32 to one level of
 // int8 (llama.cpp's precision) or two (`quantize_rows`; finer than bfloat16, twice the multiplies). Returns [M, N]
-// bfloat16. `scalar`: the scalar path even where the vector one exists (`panel_linear_scalar`, for tests).
+// bfloat16, or float32 with `out_f32` (the output head's logits: the float32 sums, not rounded to bfloat16).
+// `scalar`: the scalar path even where the vector one exists (`panel_linear_scalar`, for tests).
 torch::Tensor panel_linear_impl(torch::Tensor x, torch::Tensor wp, torch::Tensor d, torch::Tensor m, int64_t kind,
-                                int64_t n, int64_t levels, bool scalar) {
+                                int64_t n, int64_t levels, bool out_f32, bool scalar) {
   check_rows(x, "x");
   TORCH_CHECK(kind == Q4_1 || kind == Q8_0, "kind: 0 (Q4_1) or 1 (Q8_0)");
   TORCH_CHECK(levels == 1 || levels == 2, "levels: 1 or 2");
@@ -1278,7 +1285,7 @@ torch::Tensor panel_linear_impl(torch::Tensor x, torch::Tensor wp, torch::Tensor
   TORCH_CHECK(wp.numel() == panels * nb * bb && d.dim() == 3 && d.size(0) == panels && d.size(1) == nb &&
                   d.size(2) == PANEL, "panel shapes");
   TORCH_CHECK(kind == Q8_0 || m.sizes() == d.sizes(), "m: the shape of d for Q4_1");
-  auto out = torch::empty({M, n}, x.options());
+  auto out = torch::empty({M, n}, x.options().dtype(out_f32 ? at::kFloat : at::kBFloat16));
   if (M == 0) return out;
   std::vector<int8_t> xq(levels * M * K);
   std::vector<float> unit(M * nb), xsum(M * nb);
@@ -1288,7 +1295,7 @@ torch::Tensor panel_linear_impl(torch::Tensor x, torch::Tensor wp, torch::Tensor
   const PanelArgs a{xq.data(), unit.data(), xsum.data(), xqsum128.data(), wp.data_ptr<uint8_t>(),
                     reinterpret_cast<const uint16_t*>(d.data_ptr()),
                     kind == Q4_1 ? reinterpret_cast<const uint16_t*>(m.data_ptr()) : nullptr,
-                    M, K, nb, n, reinterpret_cast<uint16_t*>(out.data_ptr())};
+                    M, K, nb, n, out.data_ptr(), out_f32};
 #ifdef KVFENCE_PANEL_VECTOR
   if (!scalar) {
     const int64_t per_task = levels == 1 ? 2 : 1;
@@ -1310,12 +1317,66 @@ torch::Tensor panel_linear_impl(torch::Tensor x, torch::Tensor wp, torch::Tensor
 
 torch::Tensor panel_linear(torch::Tensor x, torch::Tensor wp, torch::Tensor d, torch::Tensor m, int64_t kind,
                            int64_t n, int64_t levels) {
-  return panel_linear_impl(x, wp, d, m, kind, n, levels, false);
+  return panel_linear_impl(x, wp, d, m, kind, n, levels, false, false);
+}
+
+torch::Tensor panel_linear_f32(torch::Tensor x, torch::Tensor wp, torch::Tensor d, torch::Tensor m, int64_t kind,
+                               int64_t n, int64_t levels) {
+  return panel_linear_impl(x, wp, d, m, kind, n, levels, true, false);
 }
 
 torch::Tensor panel_linear_scalar(torch::Tensor x, torch::Tensor wp, torch::Tensor d, torch::Tensor m,
-                                  int64_t kind, int64_t n, int64_t levels) {
-  return panel_linear_impl(x, wp, d, m, kind, n, levels, true);
+                                  int64_t kind, int64_t n, int64_t levels, bool out_f32) {
+  return panel_linear_impl(x, wp, d, m, kind, n, levels, out_f32, true);
+}
+
+// ---- the output head in float32: logits that bfloat16 rounding cannot tie ----
+//
+// x [M, K] bfloat16 @ W^T with W [N, K] bfloat16, returned as float32 [M, N]. Products of bfloat16 pairs are exact
+// and the sums stay float32, so two tokens whose float32 logits differ are not rounded to one bfloat16 value (at a
+// logit of 25 one bfloat16 step is 0.125; a 0.08 gap became an exact tie and the lower token id won, issue 20).
+// Parallel over blocks of columns; each column's weights are read once for a tile of up to LOGIT_ROW_TILE rows.
+constexpr int64_t LOGIT_ROW_TILE = 8;
+constexpr int64_t LOGIT_N_CHUNK = 64;
+
+torch::Tensor linear_f32(torch::Tensor x, torch::Tensor w) {
+  check_rows(x, "x");
+  TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == at::kBFloat16 && w.dim() == 2 && w.is_contiguous(),
+              "w: contiguous bfloat16 [N, K] on the CPU");
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  TORCH_CHECK(w.size(1) == K && K % 32 == 0 && K > 0, "K: the same for x and w, a positive multiple of 32");
+  auto out = torch::empty({M, N}, x.options().dtype(at::kFloat));
+  if (M == 0 || N == 0) return out;
+  const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr());
+  const auto* wp = reinterpret_cast<const uint16_t*>(w.data_ptr());
+  const int64_t ldx = x.stride(0);
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, (N + LOGIT_N_CHUNK - 1) / LOGIT_N_CHUNK, 1, [&](int64_t begin, int64_t end) {
+    const int64_t n1 = std::min(N, end * LOGIT_N_CHUNK);
+#if defined(__AVX512BF16__)
+    for (int64_t r0 = 0; r0 < M; r0 += LOGIT_ROW_TILE) {
+      const int64_t rows = std::min(LOGIT_ROW_TILE, M - r0);
+      for (int64_t n = begin * LOGIT_N_CHUNK; n < n1; ++n) {
+        __m512 acc[LOGIT_ROW_TILE];
+        for (int64_t r = 0; r < rows; ++r) acc[r] = _mm512_setzero_ps();
+        for (int64_t k = 0; k < K; k += 32) {
+          const __m512bh wv = (__m512bh)_mm512_loadu_si512(wp + n * K + k);
+          for (int64_t r = 0; r < rows; ++r)
+            acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)_mm512_loadu_si512(xp + (r0 + r) * ldx + k), wv);
+        }
+        for (int64_t r = 0; r < rows; ++r) op[(r0 + r) * N + n] = _mm512_reduce_add_ps(acc[r]);
+      }
+    }
+#else
+    std::vector<float> xf(M * K), wf(K);
+    for (int64_t r = 0; r < M; ++r) bf16_to_f32(xp + r * ldx, xf.data() + r * K, K);
+    for (int64_t n = begin * LOGIT_N_CHUNK; n < n1; ++n) {
+      bf16_to_f32(wp + n * K, wf.data(), K);
+      for (int64_t r = 0; r < M; ++r) op[r * N + n] = dot(xf.data() + r * K, wf.data(), K);
+    }
+#endif
+  });
+  return out;
 }
 
 // Whether panel_linear runs on vector instructions here (else on its slow scalar path).
@@ -1340,6 +1401,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("prefill_attention", &prefill_attention, "causal attention of a chunk over its keys (bfloat16, CPU)", nogil);
   m.def("quant_linear", &quant_linear, "x @ W^T with W as Q4_1 or Q8_0 blocks (bfloat16 activations)", nogil);
   m.def("panel_linear", &panel_linear, "x @ W^T with W as panels of Q4_1 or Q8_0 blocks (int8 activations)", nogil);
-  m.def("panel_linear_scalar", &panel_linear_scalar, "panel_linear on its scalar path (tests)", nogil);
+  m.def("panel_linear_f32", &panel_linear_f32, "panel_linear with float32 outputs (the output head)", nogil);
+  m.def("panel_linear_scalar", &panel_linear_scalar, "panel_linear on its scalar path (tests)", py::arg("x"),
+        py::arg("wp"), py::arg("d"), py::arg("m"), py::arg("kind"), py::arg("n"), py::arg("levels"),
+        py::arg("out_f32") = false, nogil);
+  m.def("linear_f32", &linear_f32, "x @ W^T, bfloat16 in, float32 out (the output head)", nogil);
   m.def("panel_vnni", &panel_vnni, "whether panel_linear has its AVX512-VNNI path here");
 }
