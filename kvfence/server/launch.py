@@ -111,6 +111,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     try:
         kernels.int8_mode()  # before minutes of loading, and for every model (it matters only for GGUF blocks)
+        kernels.march()
     except ValueError as e:
         print(f"kvfence serve: {e}", file=sys.stderr)
         return 2

@@ -3,8 +3,9 @@
 `ops()` returns the compiled module, or None when kernels are switched off (`KVFENCE_KERNELS=0`) or cannot be
 built here (no compiler); the model then runs its plain torch code, which computes the same thing. The build
 goes to `$KVFENCE_CACHE/kernels/<hash>` (default `~/.cache/kvfence/kernels/<hash>`), keyed by the source, the
-flags, the torch version and the CPU's instruction sets (it is built with -march=native), so a changed kernel
-or another CPU gets its own build, and an unchanged one loads in about a millisecond.
+flags, the torch version and the CPU's instruction sets (it is built with -march=native unless
+`KVFENCE_KERNELS_MARCH` names another target), so a changed kernel or another CPU gets its own build, and an
+unchanged one loads in about a millisecond.
 `python -m kvfence.model.kernels` builds them ahead of time (`make` does, so the first request does not wait).
 
 What they are for (docs/performance.md): decode attention read straight from the pages, instead of a gather,
@@ -20,6 +21,7 @@ import hashlib
 import importlib.util
 import logging
 import os
+import re
 import threading
 from pathlib import Path
 from types import ModuleType
@@ -32,7 +34,24 @@ NAME = "kvfence_cpu_ops"
 _lock = threading.Lock()
 _loaded: ModuleType | None = None
 _tried = False
-CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno"]
+MARCH_PATTERN = re.compile(r"[a-z0-9][a-z0-9._-]{0,39}")
+
+
+def march() -> str:
+    """`KVFENCE_KERNELS_MARCH`: the target the kernels are compiled for, `native` (the default: this CPU's
+    instruction sets) or any gcc `-march` value, such as `x86-64-v3` (AVX2, no AVX-512) for a build that runs on
+    any recent x86 CPU. Without AVX512-BF16 and VNNI the kernels take their scalar paths, which compute the
+    same sums (docs/quality.md measures both). Anything that is not a plain target name is refused."""
+    value = os.environ.get("KVFENCE_KERNELS_MARCH", "native")
+    if not MARCH_PATTERN.fullmatch(value):
+        raise ValueError(
+            f"KVFENCE_KERNELS_MARCH={value!r}: expected a gcc -march target such as native or x86-64-v3"
+        )
+    return value
+
+
+def cflags() -> list[str]:
+    return ["-O3", f"-march={march()}", "-fopenmp", "-fno-math-errno"]
 
 
 def enabled() -> bool:
@@ -82,7 +101,7 @@ def cpu_flags() -> bytes:
 
 def build_dir() -> Path:
     key = hashlib.sha256(
-        SOURCE.read_bytes() + " ".join(CFLAGS).encode() + torch.__version__.encode() + cpu_flags()
+        SOURCE.read_bytes() + " ".join(cflags()).encode() + torch.__version__.encode() + cpu_flags()
     ).hexdigest()[:16]
     root = Path(os.environ.get("KVFENCE_CACHE", Path.home() / ".cache" / "kvfence"))
     return root / "kernels" / key
@@ -93,6 +112,7 @@ def ops() -> ModuleType | None:
     global _loaded, _tried
     if not enabled():
         return None
+    march()  # a bad value is refused, not taken as "no kernels"
     with _lock:
         if not _tried:
             _tried = True
@@ -119,7 +139,7 @@ def _build() -> ModuleType:
     module: ModuleType = cpp_extension.load(
         name=NAME,
         sources=[str(SOURCE)],
-        extra_cflags=CFLAGS,
+        extra_cflags=cflags(),
         extra_ldflags=["-fopenmp"],
         build_directory=str(path),
         verbose=False,
