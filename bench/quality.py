@@ -63,11 +63,14 @@ def table(runs: list[dict[str, object]], mode: str, anchor: dict[str, object] | 
                 f"{s['max_dlogit']:.3f} |"
             )
     if anchor:
+        st = anchor["stats"]
+        assert isinstance(st, dict)
+        ppl, kl = st["Perplexity statistics"], st["KL divergence statistics"]
+        top = st["Token probability statistics"]["Same top p"]["value"]
         lines.append(
-            f"| llama.cpp Q4_1 vs its F32 | (its own) | - | {anchor.get('ppl_quant', float('nan')):.4f} | "
-            f"{anchor.get('kl_mean', float('nan')):.5f} | {anchor.get('kl_median', float('nan')):.5f} | "
-            f"{anchor.get('kl_p99', float('nan')):.4f} | {anchor.get('kl_max', float('nan')):.4f} | "
-            f"{anchor.get('same_top_p', float('nan')):.2f}% | - |"
+            f"| llama.cpp Q4_1 vs its F32 (PPL {anchor['ppl_f32']['value']:.4f}) | its own | - | "  # type: ignore[index]
+            f"{ppl['Mean PPL(Q)']['value']:.4f} | {kl['Mean KLD']['value']:.5f} | {kl['Median KLD']['value']:.5f} | "
+            f"{kl['99.0% KLD']['value']:.4f} | {kl['Maximum KLD']['value']:.4f} | {top:.2f}% | - |"
         )
     return "\n".join(lines)
 
@@ -87,17 +90,30 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--anchor", default=None, help="llama.cpp's numbers (bench/llamacpp_quality.py --json)")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--render", default=None, help="print the tables of an earlier --json, run nothing")
     args = ap.parse_args()
+    if args.render:
+        saved = json.loads(Path(args.render).read_text())
+        print(f"machine: {saved['machine']}")
+        for mode in saved["runs"][0]["results"]:
+            print(f"\n### {mode}\n")
+            print(table(saved["runs"], mode, saved["anchor"]))
+        return
 
     caps = reachable_caps() if args.caps == "all" else [c for c in args.caps.split(",") if c]
     combos = [(c, "native") for c in caps]
     if platform.machine() in ("x86_64", "AMD64"):
-        combos += [(c, PORTABLE) for c in args.portable_caps.split(",") if c and (c in caps or c == "default")]
+        combos += [
+            (c, PORTABLE) for c in args.portable_caps.split(",") if c and (c in caps or c == "default")
+        ]
     runs = [run_one(cap, march, args) for cap, march in combos]
     anchor = json.loads(Path(args.anchor).read_text()) if args.anchor else None
     flags = cpu_flags()
+    cpuinfo = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
     machine = {
-        "cpu": next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?"),
+        "cpu": next(
+            (ln.split(":", 1)[1].strip() for ln in cpuinfo.splitlines() if ln.startswith("model name")), "?"
+        ),
         "amx": "amx_tile" in flags,
         "avx512_bf16": "avx512_bf16" in flags,
         "date": time.strftime("%Y-%m-%d"),

@@ -18,6 +18,7 @@ P = pages in the pool, S = page size (tokens per page).
 
 from __future__ import annotations
 
+import functools
 import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -463,12 +464,7 @@ class PackedLinear(nn.Module):
 
     @staticmethod
     def supported(dtype: torch.dtype, device: str) -> bool:
-        return (
-            dtype == torch.bfloat16
-            and torch.device(device).type == "cpu"
-            and torch.backends.mkldnn.is_available()  # type: ignore[no-untyped-call]
-            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-        )
+        return dtype == torch.bfloat16 and torch.device(device).type == "cpu" and onednn_bf16_packing()
 
     def forward(self, x: Tensor) -> Tensor:
         p = self.panels
@@ -489,6 +485,20 @@ class PackedLinear(nn.Module):
         else:
             y = torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
         return y
+
+
+@functools.cache
+def onednn_bf16_packing() -> bool:
+    """Whether oneDNN reorders bfloat16 weights here: it needs AVX512-BW/VL/DQ or AVX-NE-CONVERT, and refuses
+    otherwise, also when `ONEDNN_MAX_CPU_ISA` caps it below them (an AVX2 cap raised at load until issue 20).
+    Without it the linear layers stay plain `nn.Linear` (torch's own bfloat16 matmul): slower, the same sums."""
+    if not torch.backends.mkldnn.is_available() or not hasattr(torch.ops.mkldnn, "_reorder_linear_weight"):  # type: ignore[no-untyped-call]
+        return False
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 32, dtype=torch.bfloat16), DECODE_ROWS_HINT)
+    except RuntimeError:
+        return False
+    return True
 
 
 DECODE_ROWS_HINT = 8  # oneDNN picks the packed layout for this many rows; any row count works

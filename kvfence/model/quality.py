@@ -265,17 +265,35 @@ def measure(
     return {mode: {p: t.summary() for p, t in per.items()} for mode, per in tallies.items()}
 
 
-def top2_gaps(loaded: LoadedModel, prompt: Sequence[int], continuation: Sequence[int]) -> list[float]:
-    """Float32's top-2 logit gap at each token of `continuation` after `prompt`, and whether its top token is that
-    token (a negative gap when it is not): how far from a tie each greedy choice of an exact-text test is."""
+def float32_greedy(
+    loaded: LoadedModel, prompt: Sequence[int], max_tokens: int
+) -> tuple[list[int], list[float]]:
+    """Float32's greedy continuation of `prompt` and, at each of its tokens, how far the chosen logit is ahead of the
+    runner-up: an exact-text test can only expect the same text from the fast paths where every gap is clear of
+    their error (about 1 logit, docs/quality.md); a near-tie is a coin flip between CPUs."""
     model = build(PATHS["float32"], {torch.float32: loaded})
-    ids = [*prompt, *continuation]
-    forcer = TeacherForcer(model, torch.float32, 1, len(ids) + 1)
-    out = forcer._prefill([ids], 0, len(ids), sample_all=True)[len(prompt) - 1 : -1]
-    top2 = out.topk(2, dim=-1)
-    gaps = (top2.values[:, 0] - top2.values[:, 1]).tolist()
-    hits = (top2.indices[:, 0] == torch.tensor(continuation)).tolist()
-    return [g if hit else -g for g, hit in zip(gaps, hits, strict=True)]
+    forcer = TeacherForcer(model, torch.float32, 1, len(prompt) + max_tokens)
+    logits = forcer._prefill([prompt], 0, len(prompt), sample_all=False)[0]
+    tokens: list[int] = []
+    gaps: list[float] = []
+    table = forcer._pages(0)[None]
+    while True:
+        top2 = logits.topk(2)
+        tokens.append(int(top2.indices[0]))
+        gaps.append(float(top2.values[0] - top2.values[1]))
+        pos = len(prompt) + len(tokens) - 1
+        if len(tokens) == max_tokens:
+            return tokens, gaps
+        meta = AttentionMetadata(
+            positions=torch.tensor([pos]),
+            slot_mapping=torch.tensor(forcer._slots(0, pos, pos + 1)),
+            prefills=[],
+            decode_idx=torch.tensor([0]),
+            decode_pages=table,
+            decode_lens=torch.tensor([pos + 1]),
+            sample_idx=torch.tensor([0]),
+        )
+        logits = model(torch.tensor([tokens[-1]]), meta, forcer.cache)[0]
 
 
 def main(argv: Sequence[str] | None = None) -> None:
