@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import pytest
 
+from tests.conftest import float32_answer
 from tests.server_harness import MODEL, running_server
 
 pytestmark = pytest.mark.slow
 
-QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+QUESTION = [{"role": "user", "content": "Complete the sentence: The capital of France is"}]  # clear margins
 
 
 @pytest.fixture(scope="module")
@@ -19,8 +20,9 @@ def server(smollm2):
 
 
 def test_chat_answers_and_counts_tokens(server, smollm2):
+    expected = float32_answer(smollm2, QUESTION, "Paris")
     r = server.client().chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=24, temperature=0)
-    assert "Paris" in r.choices[0].message.content
+    assert r.choices[0].message.content.startswith(expected), (r.choices[0].message.content, expected)
     tok = smollm2.tokenizer
     assert r.usage.prompt_tokens == len(tok.encode(tok.apply_chat_template(QUESTION)))
     assert r.choices[0].finish_reason in ("stop", "length")

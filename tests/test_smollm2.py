@@ -8,27 +8,31 @@ import sys
 import pytest
 
 from kvfence.engine.request import SamplingParams
-from kvfence.model.fetch import DEFAULT_MODEL_PATH
-from tests.conftest import make_engine, run_all
+from tests.conftest import float32_answer, make_engine, run_all
 
 pytestmark = pytest.mark.slow
 
+# Prompts whose float32 answers are clear of near-ties (checked by `float32_answer`): the fast paths must give
+# float32's text exactly, on every CPU. "What is the capital of France?" is not one (docs/quality.md).
+FRANCE = "Complete the sentence: The capital of France is"
 
-def test_generate_cli_answers_a_chat_prompt():
-    if not DEFAULT_MODEL_PATH.exists():
-        pytest.skip("default model not fetched")
+
+def test_generate_cli_answers_a_chat_prompt(smollm2):
+    expected = float32_answer(smollm2, [{"role": "user", "content": FRANCE}], "Paris")
     proc = subprocess.run(
         [sys.executable, "-m", "kvfence", "generate", "--chat", "--max-tokens", "24", "--threads", "2",
-         "--kv-pages", "64", "--prompt", "What is the capital of France?"],
+         "--kv-pages", "64", "--prompt", FRANCE],
         capture_output=True, text=True, timeout=300, check=True,
     )  # fmt: skip
-    assert "Paris" in proc.stdout
+    assert expected in proc.stdout, (expected, proc.stdout)
     assert "tokens/s" in proc.stderr and "time to first token" in proc.stderr
 
 
 def test_chat_batch_on_smollm2(smollm2):
     engine = make_engine(smollm2, page_size=16, kv_pages=64, max_num_batched_tokens=512)
-    questions = ["What is the capital of France?", "What is the capital of Japan?", "What is 2 + 2?"]
+    questions = {f"Complete the sentence: The capital of {c} is": a for c, a in
+                 (("France", "Paris"), ("Japan", "Tokyo"), ("Germany", "Berlin"))}  # fmt: skip
+    expected = [float32_answer(smollm2, [{"role": "user", "content": q}], a) for q, a in questions.items()]
     params = SamplingParams(max_tokens=20, temperature=0.0)
     ids = [
         engine.add_request(
@@ -38,5 +42,5 @@ def test_chat_batch_on_smollm2(smollm2):
     ]
     final = run_all(engine)
     answers = [final[i].text for i in ids]
-    assert "Paris" in answers[0] and "Tokyo" in answers[1] and "4" in answers[2], answers
+    assert all(a.startswith(e) for a, e in zip(answers, expected, strict=True)), (answers, expected)
     assert engine.stats.integrity_failures == 0 and engine.stats.pages_checked > 0
