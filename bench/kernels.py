@@ -12,8 +12,9 @@ all alike:
     QUANT_MAX_ROWS), oneDNN beyond (KVFENCE_INT8=0);
   - bf16 weights: the same kernels, every linear layer on the bfloat16 weights (KVFENCE_QUANT_KERNELS=0);
   - torch: no C++ kernels (KVFENCE_KERNELS=0).
-Prints the median step time of each and the ratios to torch. --quant-max-rows moves the row count up to which
-`quant_linear` is used. Needs the kernels (`python -m kvfence.model.kernels`).
+Prints the median step time of each and the ratios to torch (the output head gives float32 logits in every one:
+panels, `linear_f32`, float32 slices on the torch path), then the head alone with bfloat16 and float32 outputs.
+--quant-max-rows moves the row count up to which `quant_linear` is used. Needs the kernels (`python -m kvfence.model.kernels`).
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ import random
 import statistics
 import sys
 import time
+from collections.abc import Callable
+from types import ModuleType
 
 import torch
 
@@ -34,8 +37,16 @@ from kvfence.engine.request import SamplingParams
 from kvfence.ids import LeaseId, PageId, RequestId
 from kvfence.model import llama
 from kvfence.model.fetch import DEFAULT_MODEL_PATH
-from kvfence.model.llama import MLP, Attention, LlamaForCausalLM, PackedLinear, fuse_quantized
-from kvfence.model.loader import load_model
+from kvfence.model.llama import (
+    MLP,
+    Attention,
+    LlamaForCausalLM,
+    OutputHead,
+    PackedLinear,
+    float32_linear,
+    fuse_quantized,
+)
+from kvfence.model.loader import QuantPanels, load_model
 
 
 def plan(rng: random.Random, rows: int, new: int, ctx: int, pool_pages: int) -> Plan:
@@ -79,24 +90,24 @@ def main() -> None:
         print("note: this model has no Q4_1/Q8_0 blocks; the first four columns are the same")
 
     head = model.lm_head
-    if (
-        head.packed_weight.numel() == 0
-    ):  # the server drops it (its head takes the blocks): back, for the torch paths
-        weight = model.model.embed_tokens.weight if loaded.config.tie_word_embeddings else None
-        if weight is None:
+    assert isinstance(head, OutputHead)
+    head_panels = head.panels
+    if head.weight.numel() == 0:  # the server drops it (its head takes the blocks): back, for the other paths
+        if not loaded.config.tie_word_embeddings:
             raise SystemExit("an untied head whose bfloat16 weight was dropped: load with KVFENCE_INT8=0")
-        head.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), llama.DECODE_ROWS_HINT)
+        head.weight = model.model.embed_tokens.weight
 
     def use(kernels_on: bool, linear: str) -> None:
         for m in model.modules():
-            if isinstance(m, (Attention, MLP, LlamaForCausalLM)):
+            if isinstance(m, (Attention, MLP, LlamaForCausalLM, OutputHead)):
                 m.kernels = ops if kernels_on else None
         for name, m in linears.items():
             m.panels = panels[name] if linear.startswith("int8") else None
-            every_step = linear == "int8 all" or m is head  # as the server runs them
+            every_step = linear == "int8 all"  # as the server runs them
             m.panel_max_rows = sys.maxsize if every_step else llama.FINE_MAX_ROWS
             m.quant = blocks[name] if linear == "bf16 activations" else None
             m.kernels = ops
+        head.panels = head_panels if linear.startswith("int8") else None  # float32 logits on every path
 
     variants = {
         "int8 all": (True, "int8 all"),
@@ -130,6 +141,43 @@ def main() -> None:
         ratios = " ".join(f"{med[n] / med['torch']:.2f}" for n in names[:-1])
         print(f"{name:20s}" + "".join(f"{med[n]:18.2f}" for n in names) + f"   {ratios}")
     use(True, "int8 decode")
+    head_costs(ops, head_panels, head.weight, args.reps)
+
+
+def head_costs(ops: ModuleType, panels: QuantPanels | None, weight: torch.Tensor, reps: int) -> None:
+    """What float32 logits cost (issue 20, docs/quality.md): the output head alone, each path's float32 version
+    beside the bfloat16-output one it replaced, alternated on the same rows."""
+    packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), llama.DECODE_ROWS_HINT)
+    variants: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+        "oneDNN bf16": lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""),
+        "linear_f32": lambda x: ops.linear_f32(x, weight),
+        "torch F.linear bf16": lambda x: torch.nn.functional.linear(x, weight),
+        "torch f32 slices": lambda x: float32_linear(x, weight, OutputHead.SLICE_ROWS),
+    }
+    if panels is not None:
+        p = panels
+        variants = {
+            "panels bf16": lambda x: ops.panel_linear(
+                x, p.wp, p.d, p.m, p.kind_id, p.n, 2 if len(x) <= 8 else 1
+            ),
+            "panels f32": lambda x: ops.panel_linear_f32(
+                x, p.wp, p.d, p.m, p.kind_id, p.n, 2 if len(x) <= 8 else 1
+            ),
+            **variants,
+        }
+    names = list(variants)
+    print("\noutput head alone, median ms (bfloat16 outputs, as before issue 20, beside float32 ones)")
+    print(f"{'':20s}" + "".join(f"{n:>22s}" for n in names))
+    for rows in (1, 4, 8, 32):
+        x = torch.randn(rows, weight.shape[1], generator=torch.Generator().manual_seed(rows)).bfloat16()
+        times: dict[str, list[float]] = {n: [] for n in names}
+        for rep in range(reps):
+            for n in names[rep % len(names) :] + names[: rep % len(names)]:
+                for _ in range(5):
+                    t0 = time.perf_counter()
+                    variants[n](x)
+                    times[n].append((time.perf_counter() - t0) * 1e3)
+        print(f"{f'{rows} rows':20s}" + "".join(f"{statistics.median(times[n]):22.2f}" for n in names))
 
 
 if __name__ == "__main__":
