@@ -14,7 +14,8 @@ all alike:
   - torch: no C++ kernels (KVFENCE_KERNELS=0).
 Prints the median step time of each and the ratios to torch (the output head gives float32 logits in every one:
 panels, `linear_f32`, float32 slices on the torch path), then the head alone with bfloat16 and float32 outputs.
---quant-max-rows moves the row count up to which `quant_linear` is used. Needs the kernels (`python -m kvfence.model.kernels`).
+--quant-max-rows moves the row count up to which `quant_linear` is used. Needs the kernels
+(`python -m kvfence.model.kernels`).
 """
 
 from __future__ import annotations

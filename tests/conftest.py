@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvfence.engine.config import EngineConfig
+from kvfence.engine.config import EngineConfig, resolve_dtype
 from kvfence.engine.llm_engine import LLMEngine
 from kvfence.engine.output import RequestOutput
 from kvfence.model.fetch import DEFAULT_MODEL_PATH
@@ -33,6 +33,18 @@ def smollm2() -> LoadedModel:
     if not Path(DEFAULT_MODEL_PATH).exists():
         pytest.skip("default model not fetched (run `kvfence fetch-model`)")
     return load_model(DEFAULT_MODEL_PATH)
+
+
+SERVED_DTYPE = resolve_dtype("auto", "cpu")  # what `kvfence serve` computes in here (bfloat16 on AVX512-BF16)
+
+
+@pytest.fixture(scope="session")
+def smollm2_served() -> LoadedModel:
+    """The default model as the shipped server loads it here: in SERVED_DTYPE, with its blocks for the kernels.
+    Engines on it need `dtype=SERVED_DTYPE`."""
+    if not Path(DEFAULT_MODEL_PATH).exists():
+        pytest.skip("default model not fetched (run `kvfence fetch-model`)")
+    return load_model(DEFAULT_MODEL_PATH, dtype=getattr(torch, SERVED_DTYPE))
 
 
 MIN_GAP = 1.0  # logits: the fast paths' error on one logit stays well below this (docs/quality.md)

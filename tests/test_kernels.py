@@ -238,7 +238,7 @@ def test_mixed_step_with_ragged_decodes_agrees_with_the_torch_path(tmp_path):
     from kvfence.engine.plan import Plan, PlanRow
     from kvfence.engine.request import SamplingParams
     from kvfence.ids import LeaseId, PageId, RequestId
-    from kvfence.model.llama import MLP, Attention, LlamaForCausalLM
+    from kvfence.model.llama import MLP, Attention, LlamaForCausalLM, OutputHead
     from kvfence.model.loader import load_model
     from tests.model_factory import write_tiny_hf_dir
 
@@ -263,7 +263,7 @@ def test_mixed_step_with_ragged_decodes_agrees_with_the_torch_path(tmp_path):
 
     def run(with_kernels: bool) -> dict:
         for m in model.modules():
-            if isinstance(m, (Attention, MLP, LlamaForCausalLM)):
+            if isinstance(m, (Attention, MLP, LlamaForCausalLM, OutputHead)):
                 m.kernels = OPS if with_kernels else None
         runner = ModelRunner(model, num_pages=16, page_size=4, dtype=torch.bfloat16, device="cpu")
         runner.run(Plan((row(b, prompt[b], 0), row(c, prompt[c], 0)), 1))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.conftest import float32_answer
+from tests.conftest import SERVED_DTYPE, float32_answer
 from tests.server_harness import MODEL, running_server
 
 pytestmark = pytest.mark.slow
@@ -13,8 +13,10 @@ QUESTION = [{"role": "user", "content": "Complete the sentence: The capital of F
 
 
 @pytest.fixture(scope="module")
-def server(smollm2):
-    with running_server(smollm2, page_size=16, kv_pages=64, max_num_batched_tokens=512) as handle:
+def server(smollm2_served):  # the dtype and kernels `kvfence serve` takes here
+    with running_server(
+        smollm2_served, page_size=16, kv_pages=64, max_num_batched_tokens=512, dtype=SERVED_DTYPE
+    ) as handle:
         yield handle
         handle.assert_pool_clean()
 

@@ -8,12 +8,12 @@ import sys
 import pytest
 
 from kvfence.engine.request import SamplingParams
-from tests.conftest import float32_answer, make_engine, run_all
+from tests.conftest import SERVED_DTYPE, float32_answer, make_engine, run_all
 
 pytestmark = pytest.mark.slow
 
-# Prompts whose float32 answers are clear of near-ties (checked by `float32_answer`): the fast paths must give
-# float32's text exactly, on every CPU. "What is the capital of France?" is not one (docs/quality.md).
+# Prompts whose float32 answers are clear of near-ties (checked by `float32_answer`): the path the server takes must
+# give float32's text exactly, on every CPU. "What is the capital of France?" is not one (docs/quality.md).
 FRANCE = "Complete the sentence: The capital of France is"
 
 
@@ -28,15 +28,18 @@ def test_generate_cli_answers_a_chat_prompt(smollm2):
     assert "tokens/s" in proc.stderr and "time to first token" in proc.stderr
 
 
-def test_chat_batch_on_smollm2(smollm2):
-    engine = make_engine(smollm2, page_size=16, kv_pages=64, max_num_batched_tokens=512)
+def test_chat_batch_on_smollm2(smollm2, smollm2_served):
+    """A batch on the path the server takes here (bfloat16, kernels, int8 decode steps) gives float32's text."""
+    engine = make_engine(
+        smollm2_served, page_size=16, kv_pages=64, max_num_batched_tokens=512, dtype=SERVED_DTYPE
+    )
     questions = {f"Complete the sentence: The capital of {c} is": a for c, a in
                  (("France", "Paris"), ("Japan", "Tokyo"), ("Germany", "Berlin"))}  # fmt: skip
     expected = [float32_answer(smollm2, [{"role": "user", "content": q}], a) for q, a in questions.items()]
     params = SamplingParams(max_tokens=20, temperature=0.0)
     ids = [
         engine.add_request(
-            smollm2.tokenizer.apply_chat_template([{"role": "user", "content": q}]), params
+            smollm2_served.tokenizer.apply_chat_template([{"role": "user", "content": q}]), params
         ).request_id
         for q in questions
     ]

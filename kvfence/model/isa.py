@@ -10,7 +10,9 @@ from kvfence.model.kernels import cpu_flags as cpu_flags_line
 CAPS: dict[str, frozenset[str]] = {
     "AVX2": frozenset({"avx2", "fma"}),
     "AVX512_CORE": frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq"}),
-    "AVX512_CORE_BF16": frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "avx512_bf16"}),
+    "AVX512_CORE_BF16": frozenset(
+        {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "avx512_bf16"}
+    ),
 }
 
 

@@ -442,10 +442,9 @@ class PackedLinear(nn.Module):
     by those blocks instead (`attach_quantized`), reading a third of the bytes (Q4_1). By default `panels` holds
     them repacked for `panel_linear`, which quantizes the activations to int8 per block of 32 (AVX512-VNNI and
     BF16): two levels up to `FINE_MAX_ROWS` rows; with `KVFENCE_INT8=all` one level for longer steps too, and the
-    bfloat16 weight is dropped. The output head takes its panels for every step (one level beyond
-    `FINE_MAX_ROWS` rows) and drops its bfloat16 weight in every mode but `KVFENCE_INT8=0`. With
-    `KVFENCE_INT8=0`, `quant` holds them as the GGUF stores them and steps of at most `QUANT_MAX_ROWS` rows
-    multiply by them with bfloat16 activations."""
+    bfloat16 weight is dropped. With `KVFENCE_INT8=0`, `quant` holds them as the GGUF stores them and steps of
+    at most `QUANT_MAX_ROWS` rows multiply by them with bfloat16 activations. (The output head is an
+    `OutputHead`: float32 logits.)"""
 
     packed_weight: Tensor  # empty once every step takes the panels
     quant: QuantBlocks | None = None
@@ -490,8 +489,8 @@ class PackedLinear(nn.Module):
 @functools.cache
 def onednn_bf16_packing() -> bool:
     """Whether oneDNN reorders bfloat16 weights here: it needs AVX512-BW/VL/DQ or AVX-NE-CONVERT, and refuses
-    otherwise, also when `ONEDNN_MAX_CPU_ISA` caps it below them (an AVX2 cap raised at load until issue 20).
-    Without it the linear layers stay plain `nn.Linear` (torch's own bfloat16 matmul): slower, the same sums."""
+    otherwise, also when `ONEDNN_MAX_CPU_ISA` caps it below them. Without it the linear layers stay plain
+    `nn.Linear` (torch's own bfloat16 matmul, slower) and do not take the GGUF's blocks."""
     if not torch.backends.mkldnn.is_available() or not hasattr(torch.ops.mkldnn, "_reorder_linear_weight"):  # type: ignore[no-untyped-call]
         return False
     try:
@@ -550,12 +549,10 @@ class OutputHead(nn.Module):
 
 def float32_linear(x: Tensor, weight: Tensor, slice_rows: int) -> Tensor:
     """x @ weight^T in float32 whatever their dtype. A lower-precision weight is upcast `slice_rows` output rows at a
-    time on the CPU (never a float32 copy of the whole matrix), at once on an accelerator."""
+    time (never a float32 copy of the whole matrix, which is 2 GB for a head of 128k x 4096)."""
     xf = x.float()
     if weight.dtype == torch.float32:
         return F.linear(xf, weight)
-    if weight.device.type != "cpu":
-        return F.linear(xf, weight.float())
     out = torch.empty(x.shape[0], weight.shape[0], dtype=torch.float32, device=x.device)
     for start in range(0, weight.shape[0], slice_rows):
         part = weight[start : start + slice_rows]

@@ -36,11 +36,11 @@ import numpy as np
 import torch
 
 from kvfence.model import kernels
-from kvfence.model.llama import AttentionMetadata, LlamaForCausalLM, PagedKV, PrefillSeq
+from kvfence.model.llama import AttentionMetadata, LlamaForCausalLM, PagedKV, PrefillSeq, onednn_bf16_packing
 from kvfence.model.loader import LoadedModel, load_model
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class ComputePath:
     name: str
     dtype: torch.dtype
@@ -185,18 +185,27 @@ class Tally:
     max_dlogit: float = 0.0
     min_gap: float = math.inf  # smallest top-2 gap of the reference where this path's top token differed
 
+    ROWS = 256  # rows scored at a time: a prefill batch's 2,040 rows in float64 would take gigabytes
+
     def add(self, ref: torch.Tensor, got: torch.Tensor, targets: torch.Tensor) -> None:
-        """ref, got: [rows, V] logits; targets: [rows] the tokens that follow."""
+        """ref, got: [rows, V] logits; targets: [rows] the tokens that follow. KL(float32 || path), as llama.cpp's
+        --kl-divergence; a NaN anywhere stays NaN in every statistic."""
+        for i in range(0, ref.shape[0], self.ROWS):
+            self._add(ref[i : i + self.ROWS], got[i : i + self.ROWS], targets[i : i + self.ROWS])
+
+    def _add(self, ref: torch.Tensor, got: torch.Tensor, targets: torch.Tensor) -> None:
         ref64, got64 = ref.double(), got.double()
         lp_ref, lp_got = ref64.log_softmax(-1), got64.log_softmax(-1)
         self.kl.extend((lp_ref.exp() * (lp_ref - lp_got)).sum(-1).clamp_min(0).tolist())
         self.nll.extend((-lp_got.gather(1, targets[:, None])[:, 0]).tolist())
         same = ref.argmax(-1) == got.argmax(-1)
         self.agree += int(same.sum())
-        self.max_dlogit = max(self.max_dlogit, float((ref64 - got64).abs().max()))
+        d = float((ref64 - got64).abs().max())
+        self.max_dlogit = d if not d <= self.max_dlogit else self.max_dlogit  # NaN wins
         if not bool(same.all()):
             top2 = ref[~same].topk(2, dim=-1).values
-            self.min_gap = min(self.min_gap, float((top2[:, 0] - top2[:, 1]).min()))
+            gap = float((top2[:, 0] - top2[:, 1]).min())
+            self.min_gap = gap if not gap >= self.min_gap else self.min_gap
 
     def summary(self) -> dict[str, float]:
         kl = np.asarray(self.kl)
@@ -229,6 +238,10 @@ def measure(
     for mode in modes:
         if mode not in MODES:
             raise ValueError(f"unknown mode {mode!r}: expected one of {', '.join(MODES)}")
+    if ctx < 4 or batch < 1 or (max_chunks is not None and max_chunks < 1):
+        raise ValueError(
+            f"ctx {ctx}, batch {batch}, max_chunks {max_chunks}: expected ctx >= 4 and positive counts"
+        )
     first = ctx // 2
     chunks = chunks_of(ids, ctx, max_chunks)
     if not chunks:
@@ -271,6 +284,8 @@ def float32_greedy(
     """Float32's greedy continuation of `prompt` and, at each of its tokens, how far the chosen logit is ahead of the
     runner-up: an exact-text test can only expect the same text from the fast paths where every gap is clear of
     their error (about 1 logit, docs/quality.md); a near-tie is a coin flip between CPUs."""
+    if max_tokens < 1 or not prompt:
+        raise ValueError("float32_greedy: a prompt and at least one token to generate")
     model = build(PATHS["float32"], {torch.float32: loaded})
     forcer = TeacherForcer(model, torch.float32, 1, len(prompt) + max_tokens)
     logits = forcer._prefill([prompt], 0, len(prompt), sample_all=False)[0]
@@ -318,7 +333,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     result = {
         "isa_cap": os.environ.get("ONEDNN_MAX_CPU_ISA", "default"),
         "kernels_march": kernels.march(),
-        "panel_vnni": bool((ops := kernels.ops()) is not None and ops.panel_vnni()),
+        "kernels": (ops := kernels.ops()) is not None,
+        "panel_vnni": bool(ops is not None and ops.panel_vnni()),
+        "onednn_bf16_packing": onednn_bf16_packing(),
         "tokens": len(ids),
         "ctx": args.ctx,
         "results": measure(

@@ -34,14 +34,15 @@ NAME = "kvfence_cpu_ops"
 _lock = threading.Lock()
 _loaded: ModuleType | None = None
 _tried = False
-MARCH_PATTERN = re.compile(r"[a-z0-9][a-z0-9._-]{0,39}")
+MARCH_PATTERN = re.compile(r"[a-z0-9][a-z0-9._+-]{0,63}")
 
 
 def march() -> str:
     """`KVFENCE_KERNELS_MARCH`: the target the kernels are compiled for, `native` (the default: this CPU's
     instruction sets) or any gcc `-march` value, such as `x86-64-v3` (AVX2, no AVX-512) for a build that runs on
     any recent x86 CPU. Without AVX512-BF16 and VNNI the kernels take their scalar paths, which compute the
-    same sums (docs/quality.md measures both). Anything that is not a plain target name is refused."""
+    same sums (docs/quality.md measures both). Anything that is not a plain target name is refused. Read once per
+    process, when the kernels first load."""
     value = os.environ.get("KVFENCE_KERNELS_MARCH", "native")
     if not MARCH_PATTERN.fullmatch(value):
         raise ValueError(

@@ -1354,9 +1354,12 @@ torch::Tensor linear_f32(torch::Tensor x, torch::Tensor w) {
   at::parallel_for(0, (N + LOGIT_N_CHUNK - 1) / LOGIT_N_CHUNK, 1, [&](int64_t begin, int64_t end) {
     const int64_t n1 = std::min(N, end * LOGIT_N_CHUNK);
 #if defined(__AVX512BF16__)
+    // one chunk of columns (72 KB of weights at K = 576) stays in L2 while every row tile passes over it: the
+    // weight is read from memory once per call, whatever the number of rows
+    for (int64_t c = begin * LOGIT_N_CHUNK; c < n1; c += LOGIT_N_CHUNK)
     for (int64_t r0 = 0; r0 < M; r0 += LOGIT_ROW_TILE) {
       const int64_t rows = std::min(LOGIT_ROW_TILE, M - r0);
-      for (int64_t n = begin * LOGIT_N_CHUNK; n < n1; ++n) {
+      for (int64_t n = c; n < std::min(n1, c + LOGIT_N_CHUNK); ++n) {
         __m512 acc[LOGIT_ROW_TILE];
         for (int64_t r = 0; r < rows; ++r) acc[r] = _mm512_setzero_ps();
         for (int64_t k = 0; k < K; k += 32) {
