@@ -1,13 +1,15 @@
 """The numerical quality gate (issue 20, docs/quality.md): every fast path stays close to float32 on the real model,
-under every oneDNN ISA cap this CPU can emulate, and the output head's logits are float32 on every path.
+under every oneDNN ISA cap this CPU can emulate and with the kernels built for a portable target, and the output
+head's logits are float32 on every path.
 
-The thresholds come from bench/quality.py over the whole corpus (docs/quality.md, "The gate"): the default path's
-mean KL to float32 there is about 0.0012 in decode steps, a third of llama.cpp's own Q4_1 path (0.0042), and its
-top token is float32's at about 98% of positions (llama.cpp: 96.2%). This test scores fewer positions (2 chunks of
-128 tokens: 126 positions per mode), so the bounds leave room for a small sample: mean KL at most 0.004 (half of
-llama.cpp's worst whole-corpus 99th-percentile band would be far looser; this stays below llama.cpp's own mean),
-top-1 at least 93%. A path that breaks (a kernel that computes wrong, a cap that changes the sums) moves KL by an
-order of magnitude or more: a wrong sign in one layer's bias, or logits rounded to bfloat16 in the head, fail it.
+The test scores 2 chunks of 128 tokens (63 positions each, per mode). On an AMD Zen4 (2026-12-04) the default and
+torch paths gave a mean KL to float32 of 0.0015-0.0023 and top-1 agreement of 96-100% under every cap and build
+(docs/quality.md, "The gate"); over the whole corpus llama.cpp's own Q4_1 path has a mean KL of 0.0042 and 96.2%.
+The bounds, mean KL at most 0.004 and top-1 at least 90% (at most 12 of 126 positions), leave room for another
+CPU's kernels and for the small sample, and stay below llama.cpp's own error. What they catch: a path that computes
+wrong moves KL by orders of magnitude; one int8 level in prefills (`KVFENCE_INT8=all`: mean KL 0.0075 in prefill
+mode on this sample) already fails. Logits rounded to bfloat16 add only about 0.0005 of KL:
+`test_logits_are_float32_on_every_path` catches those.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from kvfence.model.isa import reachable_caps
 from kvfence.model.quality import PATHS, switches
 
 KL_MEAN_MAX = 0.004
-TOP1_MIN = 0.93
+TOP1_MIN = 0.90
 GATED = ("default", "bf16-torch")
 CORPUS = Path(__file__).resolve().parent.parent / "bench" / "data" / "kjv.txt"
 
