@@ -555,7 +555,7 @@ def float32_linear(x: Tensor, weight: Tensor, slice_rows: int) -> Tensor:
         return F.linear(xf, weight)
     out = torch.empty(x.shape[0], weight.shape[0], dtype=torch.float32, device=x.device)
     for start in range(0, weight.shape[0], slice_rows):
-        part = weight[start : start + slice_rows]
+        part = weight.detach()[start : start + slice_rows]
         torch.matmul(xf, part.float().t(), out=out[:, start : start + part.shape[0]])
     return out
 
