@@ -28,11 +28,16 @@ def tiny_model(tiny_dir: Path) -> LoadedModel:
     return load_model(tiny_dir)
 
 
+def require_default_model() -> Path:
+    """The default model's path, or a skip that says how to get it (`make test` fetches it first)."""
+    if not Path(DEFAULT_MODEL_PATH).exists():
+        pytest.skip("default model not fetched: run `kvfence fetch-model` (`make test` does it first)")
+    return Path(DEFAULT_MODEL_PATH)
+
+
 @pytest.fixture(scope="session")
 def smollm2() -> LoadedModel:
-    if not Path(DEFAULT_MODEL_PATH).exists():
-        pytest.skip("default model not fetched (run `kvfence fetch-model`)")
-    return load_model(DEFAULT_MODEL_PATH)
+    return load_model(require_default_model())
 
 
 SERVED_DTYPE = resolve_dtype("auto", "cpu")  # what `kvfence serve` computes in here (bfloat16 on AVX512-BF16)
@@ -42,9 +47,7 @@ SERVED_DTYPE = resolve_dtype("auto", "cpu")  # what `kvfence serve` computes in 
 def smollm2_served() -> LoadedModel:
     """The default model as the shipped server loads it here: in SERVED_DTYPE, with its blocks for the kernels.
     Engines on it need `dtype=SERVED_DTYPE`."""
-    if not Path(DEFAULT_MODEL_PATH).exists():
-        pytest.skip("default model not fetched (run `kvfence fetch-model`)")
-    return load_model(DEFAULT_MODEL_PATH, dtype=getattr(torch, SERVED_DTYPE))
+    return load_model(require_default_model(), dtype=getattr(torch, SERVED_DTYPE))
 
 
 MIN_GAP = 1.0  # logits: 4x the largest float32 gap at which a fast path's top token flipped (docs/quality.md)

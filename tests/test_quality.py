@@ -24,9 +24,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvfence.model.fetch import DEFAULT_MODEL_PATH
 from kvfence.model.isa import reachable_caps
 from kvfence.model.quality import PATHS, switches
+from tests.conftest import require_default_model
 
 KL_MEAN_MAX = 0.004
 TOP1_MIN = 0.90
@@ -44,14 +44,13 @@ if platform.machine() == "x86_64":
 @pytest.mark.slow
 @pytest.mark.parametrize("cap,march", BUILDS)
 def test_fast_paths_stay_close_to_float32_under_every_isa_cap(cap, march):
-    if not DEFAULT_MODEL_PATH.exists():
-        pytest.skip("default model not fetched")
+    model = require_default_model()
     env = {k: v for k, v in os.environ.items() if k != "ONEDNN_MAX_CPU_ISA"}
     env["KVFENCE_KERNELS_MARCH"] = march
     if cap != "default":
         env["ONEDNN_MAX_CPU_ISA"] = cap
     proc = subprocess.run(
-        [sys.executable, "-m", "kvfence.model.quality", "--model", str(DEFAULT_MODEL_PATH),
+        [sys.executable, "-m", "kvfence.model.quality", "--model", str(model),
          "--text", str(CORPUS), "--ctx", "64", "--max-chunks", "4", "--batch", "4", "--threads", "2",
          "--paths", ",".join(("float32", *GATED))],
         env=env, capture_output=True, text=True, timeout=900,
