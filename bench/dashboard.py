@@ -21,8 +21,9 @@ from pathlib import Path
 
 import httpx
 
-from kvfence.engine.config import EngineConfig
-from kvfence.engine.llm_engine import LLMEngine, on_passing_thread
+from kvfence.config import Config
+from kvfence.engine.llm_engine import LLMEngine
+from kvfence.engine.loop import on_passing_thread
 from kvfence.engine.request import SamplingParams
 from kvfence.model.fetch import DEFAULT_MODEL_PATH
 from kvfence.server.app import build_app
@@ -59,9 +60,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
 
-    config = EngineConfig(
+    config = Config.of(
         model=args.model, kv_pages=args.kv_pages, page_size=args.page_size, max_num_seqs=args.requests,
-        max_num_batched_tokens=4096, num_threads=args.threads,
+        max_num_batched_tokens=4096, threads=args.threads,
     )  # fmt: skip
     engine = AsyncEngine(on_passing_thread(lambda: LLMEngine(config)))  # stepped on the engine thread
     settings = ServerSettings(Path(args.model).stem, admin_key=ADMIN)

@@ -29,9 +29,10 @@ from typing import Any
 
 import torch
 
-from kvfence.engine.config import EngineConfig
-from kvfence.engine.llm_engine import EngineStats, LLMEngine
+from kvfence.config import Config
+from kvfence.engine.llm_engine import LLMEngine
 from kvfence.engine.request import SamplingParams
+from kvfence.engine.stats import EngineStats
 from kvfence.model.fetch import DEFAULT_MODEL_PATH
 
 _RUN_SEEDS = itertools.count()
@@ -136,12 +137,12 @@ def main() -> None:
     ap.add_argument("--torch-profile", action="store_true", help="with --profile: top torch operators")
     args = ap.parse_args()
     engine = LLMEngine(
-        EngineConfig(
+        Config.of(
             model=args.model,
             dtype=args.dtype,
             max_num_seqs=args.requests,
             max_num_batched_tokens=args.max_batched_tokens,
-            num_threads=args.threads,
+            threads=args.threads,
         )
     )
     warmup = argparse.Namespace(**{**vars(args), "new_tokens": 4})

@@ -31,7 +31,7 @@ from types import ModuleType
 
 import torch
 
-from kvfence.engine.config import EngineConfig
+from kvfence.config import Config
 from kvfence.engine.llm_engine import LLMEngine
 from kvfence.engine.plan import Plan, PlanRow
 from kvfence.engine.request import SamplingParams
@@ -69,8 +69,8 @@ def main() -> None:
     ap.add_argument("--quant-max-rows", type=int, default=None, help="one limit for every kind of block")
     args = ap.parse_args()
     pool_pages = 2048
-    config = EngineConfig(
-        model=str(DEFAULT_MODEL_PATH), dtype="bfloat16", num_threads=args.threads, kv_pages=pool_pages
+    config = Config.of(
+        model=str(DEFAULT_MODEL_PATH), dtype="bfloat16", threads=args.threads, kv_pages=pool_pages
     )
     os.environ["KVFENCE_INT8"] = "decode"  # keeps the bfloat16 weights: every variant runs on this one model
     runner = LLMEngine(config).runner
@@ -82,7 +82,7 @@ def main() -> None:
 
     if args.quant_max_rows is not None:
         llama.QUANT_MAX_ROWS = dict.fromkeys(llama.QUANT_MAX_ROWS, args.quant_max_rows)
-    loaded = load_model(config.model, dtype=torch.bfloat16)
+    loaded = load_model(config.model.model, dtype=torch.bfloat16)
     fused = fuse_quantized(loaded.quantized, loaded.config)
     linears = {name: m for name, m in model.named_modules() if isinstance(m, PackedLinear)}
     panels = {name: m.panels for name, m in linears.items()}

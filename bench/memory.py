@@ -117,12 +117,15 @@ def tensor_storages(obj: object, seen: dict[int, int]) -> None:
 
 def weights_and_pool(serve_flags: list[str]) -> tuple[float, float]:
     """MiB of weights and of the KV pool of the engine that `kvfence serve FLAGS` builds."""
-    from kvfence.cli import build_parser, engine_config_from_args, process_defaults
+    from kvfence.cli import build_parser
+    from kvfence.config import resolve
     from kvfence.engine.llm_engine import LLMEngine
+    from kvfence.flags import config_from_args
+    from kvfence.runtime.process import process_defaults
 
     process_defaults(os.environ)
     args = build_parser().parse_args(["serve", *serve_flags])
-    runner = LLMEngine(engine_config_from_args(args)).runner
+    runner = LLMEngine(resolve(config_from_args(args))).runner
     seen: dict[int, int] = {}
     tensor_storages(runner.model, seen)
     pool = runner.cache.kv

@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from kvfence.engine.config import EngineConfig
+from kvfence.config import Config
 from kvfence.engine.llm_engine import LLMEngine
 from kvfence.engine.request import SamplingParams
 from kvfence.model.fetch import DEFAULT_MODEL_PATH
@@ -140,9 +140,7 @@ def main() -> None:
     ap.add_argument("--decode-pairs", type=int, default=2, help="pairs of decode runs, alternating on/off")
     ap.add_argument("--threads", type=int, default=None)
     args = ap.parse_args()
-    engine = LLMEngine(
-        EngineConfig(model=args.model, dtype=args.dtype, max_num_seqs=64, num_threads=args.threads)
-    )
+    engine = LLMEngine(Config.of(model=args.model, dtype=args.dtype, max_num_seqs=64, threads=args.threads))
     print(f"model={args.model} dtype={args.dtype} threads={args.threads or torch.get_num_threads()} "
           f"page_size={engine.pool.page_size}\n")  # fmt: skip
     if args.repeats:

@@ -21,8 +21,9 @@ from typing import Any
 
 import httpx
 
-from kvfence.engine.config import EngineConfig
-from kvfence.engine.llm_engine import LLMEngine, on_passing_thread
+from kvfence.config import Config
+from kvfence.engine.llm_engine import LLMEngine
+from kvfence.engine.loop import on_passing_thread
 from kvfence.model.fetch import DEFAULT_MODEL_PATH
 from kvfence.server.app import build_app
 from kvfence.server.async_engine import AsyncEngine
@@ -72,8 +73,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None)
     args = ap.parse_args()
 
-    config = EngineConfig(
-        model=args.model, kv_pages=args.kv_pages, page_size=args.page_size, num_threads=args.threads
+    config = Config.of(
+        model=args.model, kv_pages=args.kv_pages, page_size=args.page_size, threads=args.threads
     )
     engine = on_passing_thread(lambda: LLMEngine(config))  # stepped on the engine thread (docs/server.md)
     ctx = engine.limits.context_length

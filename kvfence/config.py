@@ -21,10 +21,18 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from kvfence.faults import Faults
 from kvfence.model.fetch import DEFAULT_MODEL_PATH
 
 # the commands an option belongs to (the generated flags of each command)
-GENERATE, SERVE, PREFLIGHT, ROUTER, PREFILL, DECODE = "generate", "serve", "preflight", "router", "prefill", "decode"
+GENERATE, SERVE, PREFLIGHT, ROUTER, PREFILL, DECODE = (
+    "generate",
+    "serve",
+    "preflight",
+    "router",
+    "prefill",
+    "decode",
+)
 WORKERS = frozenset({PREFILL, DECODE})
 ENGINE = frozenset({GENERATE, SERVE, PREFLIGHT}) | WORKERS  # the commands that build an engine
 SIZED = frozenset({SERVE, PREFLIGHT}) | WORKERS  # the commands that run the preflight (I6)
@@ -99,7 +107,21 @@ class CacheOptions:
         metavar="STEPS",
     )
     integrity_checks: bool = option(
-        True, "I1 checks before and after every step, and tag stamping (--no-integrity-checks: benchmarks only)"
+        True,
+        "I1 checks before and after every step, and tag stamping (--no-integrity-checks: benchmarks only)",
+    )
+
+    clamp_context_length: bool = option(
+        False,
+        "if the KV pool cannot hold one full-context request, advertise only what it holds",
+        commands=SIZED,
+        group="size",
+    )
+    allow_undersized_pool: bool = option(
+        False,
+        "test/debug: start even if the pool cannot hold one full-context request",
+        commands=SIZED,
+        group="size",
     )
 
     def __post_init__(self) -> None:
@@ -107,7 +129,9 @@ class CacheOptions:
             self.page_size >= 1 and self.page_size & (self.page_size - 1) == 0,
             f"--page-size must be a power of two, got {self.page_size}",
         )
-        _check(self.kv_pages is None or self.kv_pages >= 1, f"--kv-pages must be at least 1, got {self.kv_pages}")
+        _check(
+            self.kv_pages is None or self.kv_pages >= 1, f"--kv-pages must be at least 1, got {self.kv_pages}"
+        )
         _check(
             self.kv_pages is None or self.kv_cache_memory is None,
             "give either --kv-pages or --kv-cache-memory, not both",
@@ -115,6 +139,10 @@ class CacheOptions:
         _check(
             self.kv_cache_memory is None or self.kv_cache_memory > 0,
             f"--kv-cache-memory must be positive, got {self.kv_cache_memory}",
+        )
+        _check(
+            not (self.clamp_context_length and self.allow_undersized_pool),
+            "give either --clamp-context-length or --allow-undersized-pool, not both",
         )
         _check(
             self.kv_canary_interval >= 0,
@@ -165,6 +193,7 @@ class EngineOptions:
     lease_prefix: int | None = internal(None)  # distinct lease ids for engines that exchange pages
 
     def __post_init__(self) -> None:
+        Faults.parse(self.faults)  # an unknown knob is refused here, not when the engine starts
         for name in ("threads", "decode_threads"):
             value = getattr(self, name)
             _check(value is None or value >= 1, f"--{name.replace('_', '-')} must be at least 1, got {value}")
@@ -213,7 +242,9 @@ class KernelOptions:
 class ServerOptions:
     host: str = option("127.0.0.1", "bind address (default: loopback only)", commands=HTTP)
     port: int = option(8000, "HTTP port", commands=HTTP)
-    served_model_name: str | None = option(None, "model name clients send (default: file stem)", commands=HTTP)
+    served_model_name: str | None = option(
+        None, "model name clients send (default: file stem)", commands=HTTP
+    )
     api_keys: str | None = option(None, "TOML or JSON file mapping API key -> tenant name", commands=HTTP)
     max_queue: int = option(256, "waiting requests before answering 503", commands=HTTP)
     max_body_bytes: int = option(4 << 20, "largest request body accepted", commands=HTTP)
@@ -224,27 +255,11 @@ class ServerOptions:
         env="KVFENCE_ADMIN_KEY",
         secret=True,
     )
-    clamp_context_length: bool = option(
-        False,
-        "if the KV pool cannot hold one full-context request, advertise only what it holds",
-        commands=SIZED,
-        group="size",
-    )
-    allow_undersized_pool: bool = option(
-        False,
-        "test/debug: start even if the pool cannot hold one full-context request",
-        commands=SIZED,
-        group="size",
-    )
 
     def __post_init__(self) -> None:
         _check(self.max_queue >= 1, f"--max-queue must be at least 1, got {self.max_queue}")
         _check(self.max_body_bytes >= 1, f"--max-body-bytes must be at least 1, got {self.max_body_bytes}")
         _check(0 <= self.port < 65536, f"--port must be 0-65535, got {self.port}")
-        _check(
-            not (self.clamp_context_length and self.allow_undersized_pool),
-            "give either --clamp-context-length or --allow-undersized-pool, not both",
-        )
 
 
 @dataclass(frozen=True)
@@ -258,14 +273,18 @@ class PDOptions:
     prefill_kv_pages: int | None = option(
         None, "PD: the prefill worker's pool (pages)", commands=frozenset({SERVE})
     )
-    decode_kv_pages: int | None = option(None, "PD: the decode worker's pool (pages)", commands=frozenset({SERVE}))
+    decode_kv_pages: int | None = option(
+        None, "PD: the decode worker's pool (pages)", commands=frozenset({SERVE})
+    )
     share_cores: bool = option(
         True,
         "PD: a worker steps on all --threads while the other has nothing to step, on half while it has "
         "(kvfence/pd/cores.py); --no-share-cores: always half",
         commands=frozenset({SERVE}),
     )
-    transfer_window: int = option(8, "PD: page frames in flight per transfer", commands=frozenset({SERVE, PREFILL}))
+    transfer_window: int = option(
+        8, "PD: page frames in flight per transfer", commands=frozenset({SERVE, PREFILL})
+    )
     transfer_timeout: float = option(
         30.0,
         "PD: seconds without progress (a frame, an ack) before a KV transfer is given up",
@@ -297,7 +316,9 @@ class PDOptions:
     )
     max_threads: int | None = option(None, "threads when alone (with --share-cores)", commands=WORKERS)
     registration_timeout: float = option(
-        300.0, "seconds to wait for the workers to register before giving up", commands=frozenset({SERVE, ROUTER})
+        300.0,
+        "seconds to wait for the workers to register before giving up",
+        commands=frozenset({SERVE, ROUTER}),
     )
 
     def __post_init__(self) -> None:
@@ -332,7 +353,9 @@ class Config:
     def replace(self, **values: Any) -> Config:
         """A copy with fields changed by flat name, validated like `of`."""
         nested = _nest(type(self), values)
-        sections = {name: dataclasses.replace(getattr(self, name), **changes) for name, changes in nested.items()}
+        sections = {
+            name: dataclasses.replace(getattr(self, name), **changes) for name, changes in nested.items()
+        }
         return dataclasses.replace(self, **sections)
 
     def to_dict(self, public: bool = False) -> dict[str, dict[str, Any]]:
@@ -368,6 +391,7 @@ class Config:
 
     @property
     def dtype_bytes(self) -> int:
+        """Bytes per K/V element; the dtype must be resolved (`resolve`)."""
         return DTYPE_BYTES[self.model.dtype]
 
 
@@ -409,7 +433,36 @@ def from_dict(data: Mapping[str, Any]) -> Config:
 def from_env(config: Config, environ: Mapping[str, str] | None = None) -> Config:
     """`config` with every field whose `env` variable is set taking that variable's value."""
     environ = os.environ if environ is None else environ
-    return dataclasses.replace(config, **{s.name: _with_env(getattr(config, s.name), environ) for s in sections()})
+    return dataclasses.replace(
+        config, **{s.name: _with_env(getattr(config, s.name), environ) for s in sections()}
+    )
+
+
+_NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16")  # /proc/cpuinfo flags of CPUs with bfloat16 dot products
+
+
+def resolve(config: Config) -> Config:
+    """The tree with `dtype=auto` (the command line's default) made concrete, once, where it is read: bfloat16
+    on CUDA and on CPUs with native bfloat16 dot products (AVX512-BF16 or AMX, where the C++ kernels run; 2-4x
+    faster than float32 here), float32 on other CPUs, where bfloat16 is emulated and slower. PD workers get the
+    resolved tree, so both sides of a transfer hold the same dtype."""
+    if config.model.dtype != "auto":
+        return config
+    return config.replace(dtype=resolve_dtype("auto", config.model.device))
+
+
+def resolve_dtype(dtype: str, device: str) -> str:
+    if dtype != "auto":
+        return dtype
+    if device.startswith("cuda"):
+        return "bfloat16"
+    try:
+        with open("/proc/cpuinfo", "rb") as f:
+            line = next((line for line in f if line.startswith(b"flags")), b"")
+    except OSError:
+        line = b""
+    flags = line.decode(errors="replace").split()
+    return "bfloat16" if any(flag in _NATIVE_BF16_FLAGS for flag in flags) else "float32"
 
 
 def parse_value(f: dataclasses.Field[Any], text: str) -> Any:
@@ -443,12 +496,15 @@ S = TypeVar("S")
 
 
 def _with_env(section: S, environ: Mapping[str, str]) -> S:
-    changes = {}
+    """A bad value is refused naming its variable (`KVFENCE_INT8='x': ...`), never taken as the default."""
     for f in dataclasses.fields(section):  # type: ignore[arg-type]
         env = f.metadata.get("env")
         if env and env in environ:
-            changes[f.name] = parse_value(f, environ[env])
-    return dataclasses.replace(section, **changes) if changes else section  # type: ignore[type-var]
+            try:
+                section = dataclasses.replace(section, **{f.name: parse_value(f, environ[env])})  # type: ignore[type-var]
+            except ValueError as e:
+                raise ValueError(f"{env}={environ[env]!r}: {e}") from None
+    return section
 
 
 def _nest(cls: type[Config], values: Mapping[str, Any]) -> dict[str, dict[str, Any]]:

@@ -10,7 +10,6 @@ a test decides exactly which request becomes the victim.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, fields
 
 
@@ -52,10 +51,11 @@ class Faults:
         return any(getattr(self, f.name) > 0 for f in fields(self))
 
     @classmethod
-    def from_env(cls) -> Faults:
-        """KVFENCE_FAULTS="double_lease=1,drop_write=2" arms knobs in a server process (debug/test only)."""
+    def parse(cls, spec: str) -> Faults:
+        """Knobs armed from a spec like "double_lease=1,drop_write=2": the `faults` option of the configuration
+        tree (`--faults`, or KVFENCE_FAULTS, which feeds it; debug/test only)."""
         faults = cls()
-        faults.arm(os.environ.get("KVFENCE_FAULTS", ""))
+        faults.arm(spec)
         return faults
 
     def arm(self, spec: str) -> None:

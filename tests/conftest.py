@@ -7,9 +7,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvfence.engine.config import EngineConfig, resolve_dtype
+from kvfence.config import Config, resolve_dtype
 from kvfence.engine.llm_engine import LLMEngine
 from kvfence.engine.output import RequestOutput
+from kvfence.faults import Faults
 from kvfence.model.fetch import DEFAULT_MODEL_PATH
 from kvfence.model.loader import LoadedModel, load_model
 
@@ -79,12 +80,14 @@ def float32_answer(
     raise AssertionError(f"float32 does not answer {answer!r} in {max_tokens} tokens: {tok.decode(tokens)!r}")
 
 
-def make_engine(loaded: LoadedModel, **overrides: object) -> LLMEngine:
-    defaults: dict[str, object] = dict(
-        kv_pages=256, page_size=4, max_num_seqs=32, max_num_batched_tokens=256, seed=0
+def make_engine(loaded: LoadedModel, faults: Faults | None = None, **overrides: object) -> LLMEngine:
+    """An engine on `loaded` with the tree's defaults but a small pool and float32 (the tests' references);
+    `overrides` are fields of the configuration tree by name (`Config.of`)."""
+    values: dict[str, object] = dict(
+        dtype="float32", kv_pages=256, page_size=4, max_num_seqs=32, max_num_batched_tokens=256
     )
-    defaults.update(overrides)
-    return LLMEngine(EngineConfig(model=loaded.source, **defaults), loaded=loaded)  # type: ignore[arg-type]
+    values.update(overrides)
+    return LLMEngine(Config.of(model=str(loaded.source), **values), loaded=loaded, faults=faults)
 
 
 def run_all(engine: LLMEngine, pool_only: bool = False) -> dict[str, RequestOutput]:

@@ -20,7 +20,7 @@ import pytest
 from kvfence.engine.request import SamplingParams
 from kvfence.pd import cores
 from kvfence.pd.router import Router
-from kvfence.pd.serve import reap
+from kvfence.runtime.process import reap
 from tests.conftest import make_engine, run_all
 
 
@@ -53,7 +53,7 @@ def start_cluster(
     if share_cores is not None:
         common += ["--share-cores", str(cores.create(share_cores)), "--max-threads", "2"]
     env = {**os.environ, **(env or {}), "KVFENCE_FAULTS": prefill_faults, "KVFENCE_FAULT_ARMING": "1"}
-    worker = [sys.executable, "-m", "kvfence.pd.cli"]
+    worker = [sys.executable, "-m", "kvfence"]
     prefill = [*netns_prefill, *worker, "prefill", *common, "--kv-pages", str(prefill_pages),
                "--transfer-window", str(window)]  # fmt: skip
     prefill += ["--data", prefill_data] if prefill_data else []

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 
 from kvfence.cli import main as kvfence_main
+from kvfence.engine.preflight import preflight
 from kvfence.model.config import ModelConfig
 from kvfence.probe.audit import Status, audit_files, audit_text
-from kvfence.server.preflight import preflight
 
 SGLANG_TP2 = """\
 [2025-03-08 12:29:14] server_args=ServerArgs(model_path='Qwen/Qwen2.5-7B-Instruct', tp_size=2, context_length=None)

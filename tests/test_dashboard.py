@@ -38,6 +38,7 @@ from kvfence.dashboard.snapshot import (
     decode_pages,
 )
 from kvfence.dashboard.top import cmd_top
+from kvfence.engine.preflight import preflight_config
 from kvfence.engine.request import SamplingParams
 from kvfence.faults import Faults
 from kvfence.pd.local import layout_fingerprint
@@ -48,7 +49,6 @@ from kvfence.server.async_engine import AsyncEngine
 from kvfence.server.background import serve_in_thread
 from kvfence.server.errors import OpenAIError
 from kvfence.server.metrics import ServerMetrics
-from kvfence.server.preflight import preflight_config
 from kvfence.server.serving import ServerSettings
 from tests.conftest import make_engine
 from tests.pd_cluster import pd_serve

@@ -254,7 +254,7 @@ def test_decode_threads_apply_to_decode_only_steps(tiny_model):
     before = torch.get_num_threads()
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     try:
-        engine = make_engine(tiny_model, num_threads=2, decode_threads=1)
+        engine = make_engine(tiny_model, threads=2, decode_threads=1)
         engine.add_request([5, 6, 7, 8, 9], params, request_id="a")
         engine.step()  # the prefill
         assert torch.get_num_threads() == 2

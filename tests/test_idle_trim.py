@@ -35,7 +35,7 @@ def test_engine_thread_trims_the_heap_once_idle_after_work(tiny_model, monkeypat
 
 ARENA_TOP = """
 import ctypes, sys, threading
-from kvfence.engine.llm_engine import trim_heap
+from kvfence.engine.memory import trim_heap
 
 libc = ctypes.CDLL("libc.so.6")
 libc.malloc.restype = ctypes.c_void_p
@@ -89,7 +89,7 @@ def test_trim_heap_releases_the_top_of_a_thread_arena():
 
 
 def test_pd_worker_trims_once_per_idle_period_after_work():
-    from kvfence.pd.worker import IdleTrim
+    from kvfence.engine.loop import IdleTrim
 
     idle = IdleTrim(idle_s=2.0)
     assert not idle.due(False, 10.0)  # no work yet: nothing to trim

@@ -256,11 +256,12 @@ def test_smollm2_reuse_gives_the_cold_output(smollm2):
 
 
 def test_prefix_cache_flags():
-    from kvfence.cli import build_parser, engine_config_from_args
+    from kvfence.cli import build_parser
+    from kvfence.flags import config_from_args
 
     parser = build_parser()
     for argv, on in (([], True), (["--no-enable-prefix-cache"], False), (["--disable-prefix-cache"], False)):
-        config = engine_config_from_args(parser.parse_args(["generate", "--prompt", "x", *argv]))
+        config = config_from_args(parser.parse_args(["generate", "--prompt", "x", *argv])).cache
         assert config.enable_prefix_cache is on and config.kv_canary_interval == 64
     args = parser.parse_args(["generate", "--prompt", "x", "--kv-canary-interval", "0"])
-    assert engine_config_from_args(args).kv_canary_interval == 0
+    assert config_from_args(args).cache.kv_canary_interval == 0

@@ -11,9 +11,10 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from kvfence.config import SchedulerOptions
 from kvfence.engine.plan import Plan
 from kvfence.engine.request import Request, RequestState, SamplingParams
-from kvfence.engine.scheduler import Scheduler, SchedulerConfig
+from kvfence.engine.scheduler import Scheduler
 from kvfence.ids import PageId, RequestId
 from kvfence.kv.integrity import ReadSet, WriteSet, check_reads, check_writes
 from kvfence.kv.pool import PagePool, PageState
@@ -57,8 +58,8 @@ class CacheMachine(RuleBasedStateMachine):
         self.pool = PagePool(NUM_PAGES, P, lease_prefix=9)
         self.model = FakeModel()
         self.cache = PrefixCache(self.pool, self.model.digests)
-        config = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=10, context_length=64)
-        self.scheduler = Scheduler(config, self.pool, (), self.cache)
+        config = SchedulerOptions(max_num_seqs=4, max_num_batched_tokens=10)
+        self.scheduler = Scheduler(config, 64, self.pool, (), self.cache)
         self.requests: dict[RequestId, Request] = {}
         self.count = 0
         self.flipped = 0

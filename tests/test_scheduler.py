@@ -3,20 +3,18 @@ step under `prefill_batch_tokens`."""
 
 from __future__ import annotations
 
+from kvfence.config import SchedulerOptions
 from kvfence.engine.request import Request, SamplingParams
-from kvfence.engine.scheduler import Scheduler, SchedulerConfig
+from kvfence.engine.scheduler import Scheduler
 from kvfence.ids import RequestId
 from kvfence.kv.pool import PagePool
 
 
 def scheduler(prefill_batch_tokens: int, lengths: list[int]) -> Scheduler:
-    config = SchedulerConfig(
-        max_num_seqs=16,
-        max_num_batched_tokens=512,
-        context_length=1024,
-        prefill_batch_tokens=prefill_batch_tokens,
+    config = SchedulerOptions(
+        max_num_seqs=16, max_num_batched_tokens=512, prefill_batch_tokens=prefill_batch_tokens
     )
-    sched = Scheduler(config, PagePool(512, 4, lease_prefix=5), ())
+    sched = Scheduler(config, 1024, PagePool(512, 4, lease_prefix=5), ())
     for i, n in enumerate(lengths):
         sched.add(Request(RequestId(f"r{i}"), list(range(3, 3 + n)), SamplingParams(max_tokens=4)))
     return sched

@@ -18,7 +18,7 @@ import torch
 
 from kvfence.cli import main
 from kvfence.engine.config import EngineConfig
-from kvfence.server.preflight import Verdict, preflight, preflight_config
+from kvfence.engine.preflight import Verdict, preflight, preflight_config
 
 
 @pytest.fixture(scope="module")
@@ -181,8 +181,9 @@ def test_serve_command_clamps_and_serves(tiny_dir, tmp_path):
 
 def test_dtype_auto_is_bfloat16_where_the_cpu_has_bfloat16_dot_products():
     """`--dtype auto` (the command line's default) resolves to one concrete dtype; others pass through."""
-    from kvfence.cli import build_parser, engine_config_from_args
-    from kvfence.engine.config import resolve_dtype
+    from kvfence.cli import build_parser
+    from kvfence.config import resolve, resolve_dtype
+    from kvfence.flags import config_from_args
 
     with open("/proc/cpuinfo") as f:
         flags = next((line for line in f if line.startswith("flags")), "").split()
@@ -191,11 +192,12 @@ def test_dtype_auto_is_bfloat16_where_the_cpu_has_bfloat16_dot_products():
     assert resolve_dtype("auto", "cuda") == "bfloat16"
     assert resolve_dtype("float16", "cpu") == "float16" and resolve_dtype("float32", "cuda") == "float32"
     args = build_parser().parse_args(["generate", "--prompt", "x"])
-    assert args.dtype == "auto" and engine_config_from_args(args).dtype == resolve_dtype("auto", "cpu")
+    config = config_from_args(args)
+    assert config.model.dtype == "auto" and resolve(config).model.dtype == resolve_dtype("auto", "cpu")
 
 
 def test_every_process_caps_onednn_primitive_cache_unless_told_otherwise():
-    from kvfence.cli import ONEDNN_CACHE_ENTRIES, TORCH_LINEAR_CACHE_ENTRIES, process_defaults
+    from kvfence.runtime.process import ONEDNN_CACHE_ENTRIES, TORCH_LINEAR_CACHE_ENTRIES, process_defaults
 
     environ: dict[str, str] = {}
     process_defaults(environ)
@@ -210,7 +212,7 @@ def test_every_process_caps_onednn_primitive_cache_unless_told_otherwise():
 
 LINEAR_SHAPES_PROBE = """
 import os, sys
-from kvfence.cli import process_defaults
+from kvfence.runtime.process import process_defaults
 if sys.argv[1] == "defaults":
     process_defaults(os.environ)
 import torch
@@ -253,9 +255,6 @@ def test_linear_layers_over_many_input_shapes_keep_memory_bounded():
 
 
 def test_serve_refuses_an_unknown_int8_mode_before_loading(monkeypatch, capsys):
-    from kvfence.cli import build_parser
-    from kvfence.server.launch import cmd_serve
-
     monkeypatch.setenv("KVFENCE_INT8", "bogus")
-    assert cmd_serve(build_parser().parse_args(["serve", "--model", "/nonexistent.gguf"])) == 2
+    assert main(["serve", "--model", "/nonexistent.gguf"]) == 2
     assert "KVFENCE_INT8='bogus'" in capsys.readouterr().err

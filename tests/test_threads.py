@@ -13,12 +13,12 @@ import sys
 
 import pytest
 
-from kvfence.engine.llm_engine import on_passing_thread
+from kvfence.engine.loop import on_passing_thread
 
 PROBE = r"""
 import os, sys, threading
 import torch
-from kvfence.engine.llm_engine import on_passing_thread
+from kvfence.engine.loop import on_passing_thread
 
 n = len(os.sched_getaffinity(0))  # what libgomp counts as available CPUs
 torch.set_num_threads(n)

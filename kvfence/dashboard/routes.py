@@ -11,7 +11,6 @@ sessionStorage, or takes it from the URL fragment (`/dashboard#key=...`), which 
 
 from __future__ import annotations
 
-import asyncio
 import hmac
 import time
 from collections.abc import Awaitable, Callable
@@ -23,12 +22,12 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from kvfence.dashboard.snapshot import SCHEMA_VERSION, KvMapper
-from kvfence.server.async_engine import AsyncEngine, EngineUnavailable
+from kvfence.engine.errors import EngineUnavailable
+from kvfence.engine.preflight import PreflightReport
+from kvfence.server.async_engine import AsyncEngine
 from kvfence.server.errors import OpenAIError, unavailable
-from kvfence.server.preflight import PreflightReport
 
 KvSource = Callable[[], Awaitable[dict[str, Any]]]
-PD_ANSWER_TIMEOUT_S = 2.0  # a worker busy in a long step answers late; the page shows who did not answer
 ASSETS = {"dashboard.js": "text/javascript", "dashboard.css": "text/css"}
 PAGE_HEADERS = {
     # everything comes from kvfence itself: no CDN, no inline script, nothing loads from elsewhere
@@ -70,20 +69,15 @@ def check_admin(admin_key: str | None, authorization: str | None) -> None:
         raise OpenAIError(401, "Missing or incorrect admin key.", code="invalid_admin_key", headers=headers)
 
 
-def kv_source(engine: AsyncEngine, preflight: PreflightReport | None) -> KvSource:
-    """Where /debug/kv gets its data: the local engine, or (PD router) every registered worker."""
-    from kvfence.pd.remote import RemoteEngine
+def local_kv_source(engine: AsyncEngine, preflight: PreflightReport | None) -> KvSource:
+    """The page map of the engine this server steps, taken on its engine thread between two steps. A PD
+    router passes its own source (every worker's map, kvfence/runtime/pd.py)."""
+    from kvfence.engine.llm_engine import LLMEngine
 
-    inner: object = engine.engine
-    if isinstance(inner, RemoteEngine):
-        remote = inner
-
-        async def from_workers() -> dict[str, Any]:
-            workers, errors = await asyncio.to_thread(remote.debug_kv, PD_ANSWER_TIMEOUT_S)
-            return envelope("pd", workers, errors)
-
-        return from_workers
-    mapper = KvMapper(engine.engine, name="colocated", role="colocated", preflight=preflight)
+    local = engine.engine
+    if not isinstance(local, LLMEngine):
+        raise TypeError("a KV page map needs a local engine or a source of its own")
+    mapper = KvMapper(local, name="colocated", role="colocated", preflight=preflight)
 
     async def from_engine() -> dict[str, Any]:
         try:

@@ -33,8 +33,8 @@ from kvfence.kv.pool import PageState
 
 if TYPE_CHECKING:
     from kvfence.engine.llm_engine import LLMEngine
+    from kvfence.engine.preflight import PreflightReport
     from kvfence.pd.receiver import TransferReceiver
-    from kvfence.server.preflight import PreflightReport
 
 SCHEMA_VERSION = 1
 STATES = ("free", "leased", "quarantined", "sealed", "receiving")

@@ -91,3 +91,8 @@ class TooManyChoices(AdmissionError):
             f"this request needs {num_requests} engine requests (prompts x n) but the server queues at most "
             f"{max_queue}; lower n or send fewer prompts per request"
         )
+
+
+class EngineUnavailable(Exception):
+    """The engine cannot take requests: its loop stopped (shutdown, or a crash in `step`), or (PD) no worker of a
+    stage is registered. Nothing more can be served until that changes."""

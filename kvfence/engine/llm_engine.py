@@ -11,121 +11,105 @@ step are held (kv/pool.py) so that nothing released meanwhile can be reused befo
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import json
 import logging
-import os
-import sys
 import threading
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import TypeVar
+from collections.abc import Iterator, Mapping, Sequence
 
 import numpy as np
 import torch
 
 from kvfence import trace
+from kvfence.config import Config
 from kvfence.engine.admission import Limits, admit
-from kvfence.engine.config import EngineConfig
+from kvfence.engine.config import torch_dtype
 from kvfence.engine.errors import DuplicateRequestId, InvalidSamplingParams
+from kvfence.engine.handover import PDHandover
 from kvfence.engine.model_runner import ModelRunner
 from kvfence.engine.output import OutputProcessor, RequestOutput
 from kvfence.engine.plan import Plan, StepResult
 from kvfence.engine.request import Request, RequestState, SamplingParams
-from kvfence.engine.scheduler import Scheduled, Scheduler, SchedulerConfig
+from kvfence.engine.scheduler import Scheduled, Scheduler
+from kvfence.engine.stats import EngineSnapshot, EngineStats
 from kvfence.faults import Faults
 from kvfence.ids import PageId, RequestId
-from kvfence.kv.integrity import ReadSet, StepReads, Violation, WriteSet, check_reads, check_writes
+from kvfence.kv.integrity import ReadSet, StepReads, Violation, WriteSet, check_writes
 from kvfence.kv.pool import Lease, PagePool, PageState
 from kvfence.kv.prefix_cache import PrefixCache
 from kvfence.model.llama import LlamaForCausalLM
 from kvfence.model.loader import LoadedModel, load_model
 
-T = TypeVar("T")
 log = logging.getLogger("kvfence.engine")
 integrity_log = logging.getLogger("kvfence.integrity")
 RECENT_FAILURES = 32  # integrity failures kept for the KV page map (kvfence/dashboard)
 CANARY_PAGES = 4  # cached pages whose digests one canary check re-verifies
 
 
-@dataclass
-class EngineStats:
-    steps: int = 0
-    tokens_computed: int = 0
-    integrity_checks: int = 0  # request-checks performed (one per scheduled request, twice per step)
-    pages_checked: int = 0
-    integrity_failures: int = 0
-    preemptions: int = 0
-    check_seconds: float = 0.0  # wall time inside the I1 checks, to measure their cost
-    stamp_seconds: float = 0.0  # wall time spent stamping tags on the write path
-    outcomes: dict[str, int] = field(
-        default_factory=dict
-    )  # finished / failed:<code> / aborted / rejected:<code>
-
-    def count(self, outcome: str) -> None:
-        self.outcomes[outcome] = self.outcomes.get(outcome, 0) + 1
-
-
-class LLMEngine:
+class LLMEngine(PDHandover):
     def __init__(
-        self, config: EngineConfig, loaded: LoadedModel | None = None, runner: ModelRunner | None = None
+        self,
+        config: Config,
+        loaded: LoadedModel | None = None,
+        runner: ModelRunner | None = None,
+        faults: Faults | None = None,
     ) -> None:
-        """`runner`: a stand-in for the model runner (the simulator's, kvfence/sim); `loaded` then only needs
-        the model config and tokenizer."""
-        if config.num_threads:
-            torch.set_num_threads(config.num_threads)
+        """`config`: resolved (`kvfence.config.resolve`). `runner`: a stand-in for the model runner (the
+        simulator's, kvfence/sim); `loaded` then only needs the model config and tokenizer. `faults`: knobs a
+        test holds on to; by default they come from `config.engine.faults`."""
+        threads = config.engine.threads
+        if threads:
+            torch.set_num_threads(threads)
         self.config = config
-        loaded = loaded or load_model(config.model, dtype=config.torch_dtype)
+        dtype = torch_dtype(config)
+        loaded = loaded or load_model(config.model.model, dtype=dtype, kernels=config.kernels)
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
-        self.context_length = min(
-            config.context_length or loaded.config.context_length, loaded.config.context_length
-        )
-        num_pages = config.resolve_num_pages(loaded.config)
-        self.faults = config.faults or Faults()
+        limit = config.model.context_length
+        self.context_length = min(limit or loaded.config.context_length, loaded.config.context_length)
+        page_size = config.cache.page_size
+        num_pages = config.cache.num_pages(loaded.config.kv_bytes_per_token(dtype.itemsize))
+        self.faults = faults if faults is not None else Faults.parse(config.engine.faults)
         self.pool = PagePool(
-            num_pages, config.page_size, faults=self.faults, lease_prefix=config.lease_prefix
+            num_pages, page_size, faults=self.faults, lease_prefix=config.engine.lease_prefix
         )
         if runner is None:
             model = LlamaForCausalLM.from_weights(
-                loaded.config, loaded.weights, config.torch_dtype, config.device, loaded.quantized
+                loaded.config, loaded.weights, dtype, config.model.device, loaded.quantized
             )
+            decode_threads = config.engine.decode_threads
             runner = ModelRunner(
                 model,
                 num_pages,
-                config.page_size,
-                config.torch_dtype,
-                config.device,
+                page_size,
+                dtype,
+                config.model.device,
                 self.faults,
-                config.seed,
-                threads=_step_threads(config),
+                config.engine.seed,
+                threads=None
+                if decode_threads is None
+                else (threads or torch.get_num_threads(), decode_threads),
             )
         self.runner = runner
         self.prefix_cache = (
             PrefixCache(self.pool, self.runner.page_digests, self.faults)
-            if config.enable_prefix_cache
+            if config.cache.enable_prefix_cache
             else None
         )
-        sched_cfg = SchedulerConfig(
-            config.max_num_seqs,
-            config.max_num_batched_tokens,
-            self.context_length,
-            config.prefill_batch_tokens,
-        )
         self.scheduler = Scheduler(
-            sched_cfg,
+            config.scheduler,
+            self.context_length,
             self.pool,
             loaded.config.eos_token_ids or self.tokenizer.eos_token_ids,
             self.prefix_cache,
         )
-        self.limits = Limits(self.context_length, num_pages, config.page_size)
+        self.limits = Limits(self.context_length, num_pages, page_size)
         self.outputs = OutputProcessor(self.tokenizer)
         self.stats = EngineStats()
         # I1 checks and tag stamping. On by default; benchmarks toggle it on one warm engine to measure its cost.
-        self.integrity_checks = config.integrity_checks
+        self.integrity_checks = config.cache.integrity_checks
         self._lock = threading.Lock()
         self._inbox: list[Request] = []
         self._reads: tuple[list[Scheduled], StepReads] | None = None  # this step's I1 arrays (engine thread)
@@ -211,83 +195,6 @@ class LLMEngine:
         """Torch threads for the next steps, of every kind (a PD worker sharing its host's cores). Engine thread
         only: OpenMP's thread count is per thread."""
         self.runner.threads = (threads, threads)
-
-    # ---- PD hand-over (engine thread only; the worker runs transfers on the engine thread, see kvfence/pd) ----
-
-    def take_handoffs(self) -> list[Request]:
-        """Prefill side: requests whose prompt K/V and first token are ready; their pages wait for a transfer."""
-        handed, self.scheduler.handed_off = self.scheduler.handed_off, []
-        return handed
-
-    def finish_transfer(self, request_id: str) -> None:
-        """Prefill side: the transfer no longer needs the pages (sent and acknowledged, or aborted)."""
-        request = self._requests[RequestId(request_id)]
-        self.scheduler.finish(request, RequestState.FINISHED, "transferred")
-        self._end(request)
-
-    def read_for_transfer(self, request_id: str, indices: Sequence[int]) -> list[bytes] | Violation:
-        """Prefill side: the K/V bytes of pages `indices` of a handed-off request, for page frames. I1 first: a
-        transfer ships only pages the request still leases and has written (its whole prompt), so a placeholder,
-        a page freed while in use, or a stale page never leaves as if it were the request's (a Violation is
-        logged and returned instead). Engine thread only."""
-        request = self._requests[RequestId(request_id)]
-        assert all(i < self.pool.pages_for(request.num_prompt_tokens) for i in indices)
-        pages = [request.pages[i] for i in indices]
-        if pages and self.faults.fire("stale_frame"):  # pages the request does not hold go out as its own
-            pages = [PageId((p + len(request.pages)) % self.pool.num_pages) for p in pages]
-        if self.integrity_checks:  # every page read here must be leased to the request and written by it
-            leases = [request.leases[i] for i in indices]
-            rs = ReadSet(request.request_id, pages, leases, len(pages) * self.pool.page_size)
-            violations = check_reads(self.pool, [rs])
-            self.stats.integrity_checks += 1
-            if violations:
-                integrity_log.error(json.dumps({**violations[0].as_log(), "tenant": request.tenant}))
-                self._remember_failure(violations[0].as_log(), request.tenant)
-                self.stats.integrity_failures += 1
-                return violations[0]
-        if trace.enabled:
-            lease_ids = [int(request.leases[i]) for i in indices]
-            trace.emit("read", request_id=request.request_id, pages=[int(p) for p in pages], leases=lease_ids,
-                       written=len(pages))  # fmt: skip
-        return [self.runner.cache.read_page(p) for p in pages]
-
-    def expect_transfer(
-        self, prompt_ids: Sequence[int], params: SamplingParams, request_id: str, tenant: str = "anonymous"
-    ) -> Request:
-        """Decode side: admit a request whose prompt K/V will arrive by transfer (NEW -> AWAITING_KV)."""
-        request = self._admit(prompt_ids, params, request_id, tenant)
-        request.cacheable = False  # its K/V arrives by transfer: nothing to look up, nothing to seal
-        request.transition(RequestState.WAITING)
-        request.transition(RequestState.AWAITING_KV)
-        self._requests[request.request_id] = request
-        self.outputs.add(request)
-        return request
-
-    def complete_transfer(
-        self,
-        request_id: str,
-        leases: Sequence[Lease],
-        first_token: int,
-        first_logprobs: tuple[float, tuple[tuple[int, float], ...]] | None = None,
-    ) -> None:
-        """Decode side: every page arrived and verified (I3); the request adopts them and starts decoding."""
-        request = self._requests[RequestId(request_id)]
-        request.pending_logprobs = (first_logprobs,) if first_logprobs is not None else ()
-        request.add_leases(list(leases))
-        request.num_computed_tokens = request.num_prompt_tokens
-        request.token_ids.append(first_token)
-        self.scheduler.adopt(request)
-
-    def fail_transfer(self, request_id: str, code: str, reason: str | None = None) -> RequestOutput | None:
-        """Decode side: the transfer failed or was revoked; the request ends with an error, never decodes.
-        `reason` (the receiver's, e.g. `digest_mismatch`) is kept with an integrity failure for the page map."""
-        request = self._requests.get(RequestId(request_id))
-        if request is None or request.state.terminal:
-            return None
-        if code == "kv_integrity_error":
-            record = {"event": code, "request_id": request.request_id, "kind": "transfer", "reason": reason}
-            self._remember_failure(record, request.tenant)
-        return self._fail(request, code)
 
     # ---- the engine loop (one thread) -------------------------------------------------------------------
 
@@ -411,7 +318,7 @@ class LLMEngine:
         """Every `kv_canary_interval` steps, re-verify the digests of a few cached pages (I9). A corrupt idle
         page leaves the cache; the running requests that hold a corrupt page fail (PD transfers already
         reading one are left to finish)."""
-        interval = self.config.kv_canary_interval
+        interval = self.config.cache.kv_canary_interval
         if self.prefix_cache is None or interval < 1 or self._step_no % interval:
             return []
         failures = self.prefix_cache.canary(CANARY_PAGES)
@@ -457,6 +364,31 @@ class LLMEngine:
 
     def _remember_failure(self, record: Mapping[str, object], tenant: str) -> None:
         self.recent_integrity_failures.append({**record, "tenant": tenant, "time": time.time()})
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model_config.vocab_size
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    def snapshot(self) -> EngineSnapshot:
+        """Engine state for metrics; engine thread, between steps."""
+        cache = self.prefix_cache
+        return EngineSnapshot(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            pool=self.pool.stats(),
+            integrity_checks=self.stats.integrity_checks,
+            integrity_failures=self.stats.integrity_failures,
+            pages_checked=self.stats.pages_checked,
+            outcomes=dict(self.stats.outcomes),
+            prefix_cache=cache.stats() if cache is not None else None,
+        )
+
+    def _page_bytes(self, page: PageId) -> bytes:
+        return self.runner.cache.read_page(page)
 
     def live_requests(self) -> list[Request]:
         """Every request the engine thread knows that has not ended (waiting, running, in a PD transfer), in
@@ -514,89 +446,3 @@ class LLMEngine:
                     yield out
                     if out.finished:
                         return
-
-
-def _step_threads(config: EngineConfig) -> tuple[int, int] | None:
-    """Torch threads per kind of step, or None to leave torch's own setting."""
-    if config.decode_threads is None:
-        return None
-    return (config.num_threads or torch.get_num_threads(), config.decode_threads)
-
-
-def on_passing_thread(fn: Callable[[], T]) -> T:
-    """Run `fn` on a thread that ends when it returns, and return its result (or raise its exception).
-
-    For torch work done before an engine is stepped on another thread (model loading, engine construction):
-    a thread that runs an OpenMP parallel region keeps a pool of OpenMP workers for as long as it lives, and
-    libgomp stops letting workers spin between regions once it manages more threads than there are CPUs. With
-    the main thread's pool alive, every parallel region of the engine thread then puts its worker to sleep and
-    wakes it again: on 2 cores, 230 context switches and twice the time per decode step with 2 threads
-    (docs/performance.md, session 7). A pool dies with its thread, so loading here leaves the engine thread's
-    pool the only one."""
-    box: list[T] = []
-    failure: list[BaseException] = []
-
-    def target() -> None:
-        try:
-            box.append(fn())
-        except BaseException as exc:
-            failure.append(exc)
-
-    thread = threading.Thread(target=target, name="kvfence-load", daemon=True)  # Ctrl-C does not wait for it
-    thread.start()
-    thread.join()
-    if failure:
-        raise failure.pop()  # not failure[0]: the traceback would keep this frame, and `fn`'s, alive in a cycle
-    return box.pop()
-
-
-def return_freed_memory() -> None:
-    """Give the heap pages that loading freed (dequantized tensors, unfused and unpacked copies: about 550 MB for
-    SmolLM2 in bfloat16) back to the OS; glibc keeps them otherwise. Call once the `LoadedModel` is dropped."""
-    import gc
-
-    gc.collect()
-    trim_heap()
-
-
-# glibc's mallopt parameters (malloc.h) and the values trim_heap leaves set
-M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
-MMAP_THRESHOLD = 32 << 20  # what glibc's own threshold grows to (its maximum) once steps free big activations
-TRIM_THRESHOLD = 2 * MMAP_THRESHOLD  # and the trim threshold with it: steps never pay for trimming
-IDLE_TRIM_THRESHOLD = 1 << 20
-IDLE_TRIM_S = 2.0  # a server (colocated or PD worker) trims once it has had no work for this long
-
-
-def trim_heap() -> None:
-    """Return free heap pages to the OS (a step's activations leave about 100 MB of them behind after a burst,
-    docs/performance.md). No-op outside glibc.
-
-    `malloc_trim` releases the free pages inside every arena, but not the top chunk of the arenas of threads other
-    than the main one: about 35 MiB stayed resident after W1 (docs/performance.md, session 10). glibc trims a
-    thread arena's top only when a free of 64 KiB or more lands in that arena and the top exceeds the trim
-    threshold. So the threshold is lowered for one such free on the calling thread (the engine thread, when it
-    trims at idle), and set back to the value glibc's dynamic threshold reaches under load, where it stays fixed
-    (setting it turns the dynamic adjustment off, so the mmap threshold is fixed at its maximum, too)."""
-    if sys.platform != "linux":
-        return
-    import ctypes
-
-    with contextlib.suppress(OSError, AttributeError):
-        libc = ctypes.CDLL("libc.so.6")
-        libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
-        libc.free.argtypes = [ctypes.c_void_p]
-        libc.malloc_trim.argtypes = [ctypes.c_size_t]
-        # thresholds the operator set (MALLOC_*_ variables, glibc tunables) are left alone; and where glibc
-        # refuses ours (a heap size capped by huge-page tunables), only malloc_trim runs
-        if not _malloc_tuned_by_operator() and libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD) == 1:
-            if libc.mallopt(M_TRIM_THRESHOLD, IDLE_TRIM_THRESHOLD) == 1:
-                block = libc.malloc(256 << 10)  # from this thread's arena; its free trims that arena's top
-                libc.free(block)
-            libc.mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD)
-        libc.malloc_trim(0)
-
-
-def _malloc_tuned_by_operator() -> bool:
-    return "GLIBC_TUNABLES" in os.environ or any(
-        k.startswith("MALLOC_") and k.endswith("_") for k in os.environ
-    )

@@ -27,23 +27,12 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
+from kvfence.config import SchedulerOptions
 from kvfence.engine.plan import Plan, PlanRow
 from kvfence.engine.request import Request, RequestState
 from kvfence.ids import RequestId
 from kvfence.kv.pool import Lease, PagePool
 from kvfence.kv.prefix_cache import CachedPage, PrefixCache
-
-
-@dataclass(frozen=True, slots=True)
-class SchedulerConfig:
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    context_length: int = 2048
-    prefill_batch_tokens: int = 0  # 0: no limit besides max_num_batched_tokens
-
-    def __post_init__(self) -> None:
-        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
-            raise ValueError("max_num_seqs and max_num_batched_tokens must be at least 1")
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,12 +44,14 @@ class Scheduled:
 class Scheduler:
     def __init__(
         self,
-        config: SchedulerConfig,
+        config: SchedulerOptions,
+        context_length: int,
         pool: PagePool,
         eos_token_ids: tuple[int, ...],
         cache: PrefixCache | None = None,
     ) -> None:
         self.config = config
+        self.context_length = context_length  # the engine's: the model's, or lower
         self.pool = pool
         self.cache = cache
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -249,7 +240,7 @@ class Scheduler:
             return "stop"
         if token in params.stop_token_ids:
             return "stop"
-        if request.num_output_tokens >= params.max_tokens or request.num_tokens >= self.config.context_length:
+        if request.num_output_tokens >= params.max_tokens or request.num_tokens >= self.context_length:
             return "length"
         return None
 

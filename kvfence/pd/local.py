@@ -27,7 +27,7 @@ def layout_fingerprint(engine: LLMEngine) -> str:
     c = engine.model_config
     return (
         f"{c.name}/{c.architecture}/L{c.num_layers}/kv{c.num_kv_heads}x{c.head_dim}/"
-        f"{engine.config.dtype}/ps{engine.config.page_size}"
+        f"{engine.config.model.dtype}/ps{engine.config.cache.page_size}"
     )
 
 

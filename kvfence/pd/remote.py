@@ -1,7 +1,7 @@
 """`RemoteEngine`: the PD router seen through the engine interface the HTTP server already drives.
 
 Boundary: adapts `Router` (ZeroMQ, workers) to the handful of `LLMEngine` members that `AsyncEngine` and the
-HTTP layer use (`add_request`, `abort`, `step`, `has_unfinished`, `limits`, `tokenizer`, stats), so the router's
+HTTP layer uses (the `Engine` protocol, kvfence/engine/protocol.py), so the router's
 HTTP front is the colocated server unchanged: same API, same errors, same admission code path (I5), whose limits
 here are the smallest any prefill or decode worker can hold (I6). `step()` waits briefly for outputs from the
 decode workers instead of computing anything.
@@ -12,20 +12,20 @@ from __future__ import annotations
 import queue
 import threading
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from kvfence.engine.admission import Limits
-from kvfence.engine.llm_engine import EngineStats
+from kvfence.engine.errors import EngineUnavailable
 from kvfence.engine.output import RequestOutput
 from kvfence.engine.request import SamplingParams
+from kvfence.engine.stats import EngineSnapshot, EngineStats
 from kvfence.kv.pool import PoolStats
 from kvfence.model.tokenizer import Tokenizer
 from kvfence.pd.router import NoWorkers, Router
-from kvfence.server.async_engine import EngineUnavailable
 
 STEP_WAIT_S = 0.05
 
@@ -35,24 +35,6 @@ class RemoteRequest:
     request_id: str
     tenant: str
     num_pages_checked: int = 0  # checked on the decode worker; the router does not see pages
-
-
-@dataclass(frozen=True, slots=True)
-class RemoteModelConfig:
-    vocab_size: int
-
-
-@dataclass
-class _Queues:
-    waiting: list[str] = field(default_factory=list)
-    running: list[str] = field(default_factory=list)
-
-
-class _NoPool:
-    """The router holds no KV pages; its metrics show the pool as empty rather than inventing numbers."""
-
-    def stats(self) -> PoolStats:
-        return PoolStats(num_pages=0, num_free=0, num_leased=0, num_quarantined=0, num_held=0)
 
 
 class RemoteEngine:
@@ -67,9 +49,8 @@ class RemoteEngine:
         )
         self.context_length = prefill.context_length
         vocab = {w.fingerprint["vocab_size"] for w in router.workers.values()}
-        self.model_config = RemoteModelConfig(vocab.pop())
-        self.scheduler = _Queues()
-        self.pool = _NoPool()
+        self.vocab_size: int = vocab.pop()
+        self.num_waiting = 0  # requests wait in the workers' queues, not here
         self.stats = EngineStats()
         self._outputs: queue.Queue[RequestOutput] = queue.Queue()
         self._live: set[str] = set()
@@ -100,6 +81,19 @@ class RemoteEngine:
     def debug_kv(self, timeout: float) -> tuple[list[dict[str, Any]], list[str]]:
         """Every worker's KV page map (kvfence/dashboard); see `Router.debug_kv`."""
         return self.router.debug_kv(timeout)
+
+    def snapshot(self) -> EngineSnapshot:
+        """The router's own view for /metrics: it holds no KV pages (the workers' pools are in their heartbeats,
+        `WorkersCollector`), so its pool shows as empty rather than invented."""
+        return EngineSnapshot(
+            num_running=0,  # requests run (and wait) on the workers
+            num_waiting=0,
+            pool=PoolStats(num_pages=0, num_free=0, num_leased=0, num_quarantined=0, num_held=0),
+            integrity_checks=0,
+            integrity_failures=0,
+            pages_checked=0,
+            outcomes=dict(self.stats.outcomes),
+        )
 
     def has_unfinished(self) -> bool:
         with self._lock:

@@ -22,13 +22,14 @@ from typing import Any
 import zmq
 
 from kvfence.dashboard.snapshot import KvMapper
-from kvfence.engine.llm_engine import IDLE_TRIM_S, LLMEngine, trim_heap
+from kvfence.engine.llm_engine import LLMEngine
+from kvfence.engine.loop import IdleTrim
+from kvfence.engine.preflight import PreflightReport
 from kvfence.pd import control, wire
 from kvfence.pd.cores import CoreShare
 from kvfence.pd.local import layout_fingerprint
 from kvfence.pd.messages import Message
 from kvfence.pd.roles import DecodeRole, PrefillRole, Role
-from kvfence.server.preflight import PreflightReport
 
 log = logging.getLogger("kvfence.pd.worker")
 IDLE_POLL_MS = 50
@@ -36,24 +37,6 @@ HEARTBEAT_S = 0.5  # the router declares a worker dead after several missed hear
 HEALTH_REFRESH_S = 0.1  # how stale a heartbeat's pool counts may be
 ROUTER_SILENCE_S = 15.0  # a registered worker whose router has said nothing for this long exits
 REGISTRATION_WAIT_S = 600.0  # a worker no router has accepted for this long exits (its router is gone)
-
-
-class IdleTrim:
-    """When to hand freed heap pages back: once per idle period, IDLE_TRIM_S after the last step that had work,
-    never before any work (nothing to trim) and never while there is work."""
-
-    def __init__(self, idle_s: float = IDLE_TRIM_S) -> None:
-        self.idle_s = idle_s
-        self.last_work: float | None = None  # None: trimmed since the last work, or no work yet
-
-    def due(self, worked: bool, now: float) -> bool:
-        if worked:
-            self.last_work = now
-            return False
-        if self.last_work is not None and now - self.last_work >= self.idle_s:
-            self.last_work = None
-            return True
-        return False
 
 
 def fingerprint(engine: LLMEngine) -> dict[str, Any]:
@@ -128,8 +111,7 @@ class Worker:
                 now = time.monotonic()
                 if now - self._beat_at >= HEALTH_REFRESH_S:  # pool stats cost ~5% of a decode worker per step
                     self._beat, self._beat_at = self._health(), now
-                if idle.due(worked, now):
-                    trim_heap()
+                idle.trim_if_due(worked, now)
         finally:  # also on an exception: the other worker must not see this one busy for good
             self.running = False
             beat.join()

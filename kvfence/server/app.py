@@ -7,7 +7,8 @@ app's lifespan starts and stops the engine thread. With API keys configured, eve
 key: /metrics too, since its labels name tenants.
 
 Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health, GET /metrics; the KV
-page map's GET /dashboard (no data, no key) and GET /debug/kv (the admin key, not a tenant's; kvfence/dashboard).
+page map's GET /dashboard (no data, no key) and GET /debug/kv (the admin key, not a tenant's; kvfence/dashboard);
+GET /debug/config (the admin key): the effective configuration tree (kvfence/config.py).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from pydantic import BaseModel
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 
-from kvfence.dashboard.routes import add_dashboard_routes, kv_source
+from kvfence.dashboard.routes import KvSource, add_dashboard_routes, check_admin, local_kv_source
 from kvfence.server.async_engine import AsyncEngine
 from kvfence.server.auth import Authenticator
 from kvfence.server.errors import OpenAIError, install_handlers, invalid
@@ -33,8 +34,15 @@ from kvfence.server.serving import ServerSettings, Serving
 M = TypeVar("M", bound=BaseModel)
 
 
-def build_app(engine: AsyncEngine, settings: ServerSettings, metrics: ServerMetrics | None = None) -> FastAPI:
-    """The app for one engine. `metrics` must be the engine's observer if the caller set one."""
+def build_app(
+    engine: AsyncEngine,
+    settings: ServerSettings,
+    metrics: ServerMetrics | None = None,
+    *,
+    kv_source: KvSource | None = None,
+) -> FastAPI:
+    """The app for one engine. `metrics` must be the engine's observer if the caller set one. `kv_source`: where
+    the KV page map comes from (default: the local engine, between its steps)."""
     metrics = metrics or _observer_metrics(engine)
     auth = Authenticator(settings.api_keys)
 
@@ -51,7 +59,16 @@ def build_app(engine: AsyncEngine, settings: ServerSettings, metrics: ServerMetr
     app.state.engine, app.state.metrics, app.state.settings = engine, metrics, settings
     _generation_routes(app, Serving(engine, settings, metrics), auth, settings.max_body_bytes, metrics)
     _info_routes(app, engine, settings, auth, metrics)
-    add_dashboard_routes(app, kv_source(engine, settings.preflight), settings.admin_key)
+    add_dashboard_routes(app, kv_source or local_kv_source(engine, settings.preflight), settings.admin_key)
+
+    @app.get("/debug/config")
+    async def debug_config(request: Request) -> dict[str, Any]:
+        """The effective configuration (secrets left out), and in PD mode each worker's: admin key only."""
+        check_admin(settings.admin_key, request.headers.get("authorization"))
+        if settings.config_view is None:
+            raise OpenAIError(404, "this server was built without a configuration view", code="not_found")
+        return settings.config_view()
+
     return app
 
 

@@ -25,17 +25,17 @@ import logging
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
 from kvfence.engine.admission import admit
-from kvfence.engine.errors import TooManyChoices
-from kvfence.engine.llm_engine import IDLE_TRIM_S, LLMEngine, trim_heap
+from kvfence.engine.errors import EngineUnavailable, TooManyChoices
+from kvfence.engine.loop import IdleTrim
 from kvfence.engine.output import RequestOutput
-from kvfence.engine.request import Request, SamplingParams
+from kvfence.engine.protocol import Admitted, Engine
+from kvfence.engine.request import SamplingParams
+from kvfence.engine.stats import EngineSnapshot
 from kvfence.ids import RequestId
-from kvfence.kv.pool import PoolStats
-from kvfence.kv.prefix_cache import PrefixCacheStats
 
 log = logging.getLogger("kvfence.server")
 T = TypeVar("T")
@@ -45,22 +45,6 @@ Item = tuple[int, RequestOutput]
 
 class QueueFull(Exception):
     """More requests are waiting than `max_queue` allows; the client should retry later."""
-
-
-class EngineUnavailable(Exception):
-    """The engine loop stopped (shutdown, or a crash in `step`); nothing more can be served."""
-
-
-@dataclass(frozen=True, slots=True)
-class EngineSnapshot:
-    num_running: int
-    num_waiting: int
-    pool: PoolStats
-    integrity_checks: int
-    integrity_failures: int
-    pages_checked: int
-    outcomes: dict[str, int] = field(default_factory=dict)
-    prefix_cache: PrefixCacheStats | None = None  # None when the engine runs without a prefix cache
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,7 +106,7 @@ class Submission:
 class _Tracked:
     submission: Submission
     index: int
-    request: Request
+    request: Admitted
     submitted: float
     user: str | None
     num_prompt_tokens: int
@@ -133,7 +117,7 @@ class _Tracked:
 
 class AsyncEngine:
     def __init__(
-        self, engine: LLMEngine, *, max_queue: int | None = None, observer: Observer | None = None
+        self, engine: Engine, *, max_queue: int | None = None, observer: Observer | None = None
     ) -> None:
         self.engine = engine
         self.max_queue = max_queue
@@ -143,8 +127,7 @@ class AsyncEngine:
         self._tracked: dict[str, _Tracked] = {}
         self._num_new = 0  # requests submitted since the engine loop last took its inbox
         self._num_waiting = 0  # the scheduler's waiting queue after the last step
-        self._stepped_since_trim = False  # a step ran since the heap was last trimmed (engine thread only)
-        self._last_step = 0.0  # time.monotonic() of the last step
+        self._trim = IdleTrim()  # hands freed heap pages back after a while without steps (engine thread)
         self._busy = False
         self._stopping = False
         self._failure: BaseException | None = None
@@ -230,17 +213,7 @@ class AsyncEngine:
 
     def snapshot(self) -> EngineSnapshot:
         """Engine state for metrics. Call it on the engine thread (`run_between_steps(engine.snapshot)`)."""
-        e = self.engine
-        return EngineSnapshot(
-            num_running=len(e.scheduler.running),
-            num_waiting=len(e.scheduler.waiting),
-            pool=e.pool.stats(),
-            integrity_checks=e.stats.integrity_checks,
-            integrity_failures=e.stats.integrity_failures,
-            pages_checked=e.stats.pages_checked,
-            outcomes=dict(e.stats.outcomes),
-            prefix_cache=cache.stats() if (cache := getattr(e, "prefix_cache", None)) is not None else None,
-        )
+        return self.engine.snapshot()
 
     # ---- helpers (any thread, under self._cond) -------------------------------------------------------
 
@@ -283,8 +256,10 @@ class AsyncEngine:
             self._fail_all(EngineUnavailable(f"the engine loop crashed: {exc!r}"), exc)
 
     def _round(self) -> bool:
-        if self._idle_since_last_step():  # idle for a while after work: hand freed heap pages back to the OS
-            trim_heap()  # outside the lock, so that submit() and abort() never wait for it
+        # idle for a while after work: hand freed heap pages back to the OS, outside the lock, so that submit()
+        # and abort() never wait for it
+        if self._wait_while_idle():
+            self._trim.trim_if_due(False, time.monotonic())
         with self._cond:
             self._cond.wait_for(self._has_work)
             if self._stopping:
@@ -298,33 +273,22 @@ class AsyncEngine:
                 except BaseException as exc:
                     fut.set_exception(exc)
         if self.engine.has_unfinished():
-            self._stepped_since_trim, self._last_step = True, time.monotonic()
+            self._trim.worked(time.monotonic())
             outputs = self.engine.step()
-            self._num_waiting = len(self.engine.scheduler.waiting)
+            self._num_waiting = self.engine.num_waiting
             self._dispatch(outputs, time.perf_counter())
         with self._cond:
             self._busy = False
             self._cond.notify_all()  # wake `wait_idle` callers
         return True
 
-    def _idle_since_last_step(self) -> bool:
-        """Wait while there is no work, up to IDLE_TRIM_S after the last step; True (once per idle period) if
-        that much time passed without a step. Calls between steps (`/metrics`, the page map) do not count as
-        work here: they end the wait but not the idle period."""
+    def _wait_while_idle(self) -> bool:
+        """Wait while there is no work, until a heap trim is due (`IdleTrim`); True if it is due now. Calls
+        between steps (`/metrics`, the page map) end the wait but not the idle period."""
         with self._cond:
-            if not self._stepped_since_trim:
-                return False
-            while not self._has_work():
-                remaining = IDLE_TRIM_S - (time.monotonic() - self._last_step)
-                if remaining <= 0:
-                    break
+            while (remaining := self._trim.wait_s(time.monotonic())) and not self._has_work():
                 self._cond.wait(remaining)
-            if self._stopping or self.engine.has_unfinished():
-                return False
-            if time.monotonic() - self._last_step < IDLE_TRIM_S:
-                return False
-            self._stepped_since_trim = False
-            return True
+            return remaining == 0.0 and not self._stopping and not self.engine.has_unfinished()
 
     def _has_work(self) -> bool:
         return self._stopping or bool(self._calls) or self.engine.has_unfinished()

@@ -20,8 +20,9 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from kvfence.engine.stats import EngineSnapshot
 from kvfence.kv.prefix_cache import PrefixCacheStats
-from kvfence.server.async_engine import EngineSnapshot, RequestEnd
+from kvfence.server.async_engine import RequestEnd
 
 request_log = logging.getLogger("kvfence.requests")
 

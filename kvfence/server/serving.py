@@ -20,11 +20,12 @@ from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from kvfence.engine.errors import AdmissionError
+from kvfence.engine.errors import AdmissionError, EngineUnavailable
 from kvfence.engine.output import RequestOutput
+from kvfence.engine.preflight import PreflightReport
 from kvfence.model.tokenizer import ChatTemplateError
 from kvfence.server import responses as R
-from kvfence.server.async_engine import AsyncEngine, EngineUnavailable, QueueFull, Submission
+from kvfence.server.async_engine import AsyncEngine, QueueFull, Submission
 from kvfence.server.errors import (
     OpenAIError,
     engine_failed,
@@ -34,7 +35,6 @@ from kvfence.server.errors import (
     unavailable,
 )
 from kvfence.server.metrics import ServerMetrics
-from kvfence.server.preflight import PreflightReport
 from kvfence.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -54,6 +54,8 @@ class ServerSettings:
     retry_after_s: int = 1
     admin_key: str | None = None  # opens GET /debug/kv (the KV page map); None: nobody may read it
     preflight: PreflightReport | None = None  # this node's I6 verdict, shown on the page map
+    # what GET /debug/config returns (admin key): the effective configuration tree, and (PD) each worker's
+    config_view: Callable[[], dict[str, Any]] | None = None
 
 
 class EngineStream(StreamingResponse):
@@ -87,7 +89,7 @@ class Serving:
     def __init__(self, engine: AsyncEngine, settings: ServerSettings, metrics: ServerMetrics) -> None:
         self.engine, self.settings, self.metrics = engine, settings, metrics
         self.tokenizer = engine.engine.tokenizer
-        self.vocab_size = engine.engine.model_config.vocab_size
+        self.vocab_size = engine.engine.vocab_size
 
     def token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)

@@ -37,7 +37,7 @@ from typing import Any, cast
 import tokenizers
 
 from kvfence import trace
-from kvfence.engine.config import EngineConfig
+from kvfence.config import Config
 from kvfence.engine.errors import AdmissionError
 from kvfence.engine.llm_engine import LLMEngine
 from kvfence.engine.model_runner import ModelRunner
@@ -151,12 +151,12 @@ def make_engine(
     cfg: SimConfig, num_pages: int, faults: Faults, lease_prefix: int
 ) -> tuple[LLMEngine, ProvenanceRunner]:
     runner = ProvenanceRunner(num_pages, cfg.page_size, VOCAB, faults)
-    config = EngineConfig(
-        model="sim", page_size=cfg.page_size, kv_pages=num_pages, context_length=cfg.context_length,
-        max_num_seqs=8, max_num_batched_tokens=32, integrity_checks=cfg.checks, faults=faults,
+    config = Config.of(
+        model="sim", dtype="float32", page_size=cfg.page_size, kv_pages=num_pages,
+        context_length=cfg.context_length, max_num_seqs=8, max_num_batched_tokens=32, integrity_checks=cfg.checks,
         lease_prefix=lease_prefix, enable_prefix_cache=False,
     )  # fmt: skip
-    return LLMEngine(config, sim_model(), runner=cast(ModelRunner, runner)), runner
+    return LLMEngine(config, sim_model(), runner=cast(ModelRunner, runner), faults=faults), runner
 
 
 class SimPrefillRole(PrefillRole):

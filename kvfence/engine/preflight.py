@@ -1,8 +1,8 @@
 """I6 at startup: does this node's KV pool hold one full-context request? Decide before anything is allocated.
 
 Boundary: a pure function over numbers (model shape, pool size, page size, dtype). It never allocates the pool;
-`EngineConfig.resolve_num_pages` does the sizing math. The caller prints `report.summary()` and either starts
-the engine with `report.context_length` or exits when `report.verdict is Verdict.REFUSED`.
+`CacheOptions.num_pages` (kvfence/config.py) does the sizing math. The caller prints `report.summary()` and either
+starts the engine with `report.context_length` or exits when `report.verdict is Verdict.REFUSED`.
 
 Outcomes when the pool is smaller than one full-context request:
   - default: REFUSED, with an explanation and the flags that would change it;
@@ -14,14 +14,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum
-from typing import TYPE_CHECKING
 
+from kvfence.config import DTYPE_BYTES, Config
 from kvfence.model.config import ModelConfig
-
-if TYPE_CHECKING:
-    from kvfence.engine.config import EngineConfig
-
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 class Verdict(Enum):
@@ -113,18 +108,18 @@ def preflight(
     )
 
 
-def preflight_config(
-    model: ModelConfig, config: EngineConfig, *, clamp: bool = False, allow_undersized: bool = False
-) -> PreflightReport:
-    """`preflight` with the numbers an `EngineConfig` resolves to (no allocation; may raise ValueError)."""
+def preflight_config(model: ModelConfig, config: Config) -> PreflightReport:
+    """`preflight` with the numbers a resolved `Config` (a concrete dtype) comes to (no allocation; may raise
+    ValueError). `--clamp-context-length` and `--allow-undersized-pool` are its cache options."""
+    cache = config.cache
     return preflight(
         model,
-        dtype=config.dtype,
-        num_pages=config.resolve_num_pages(model),
-        page_size=config.page_size,
-        context_length=config.context_length,
-        clamp=clamp,
-        allow_undersized=allow_undersized,
+        dtype=config.model.dtype,
+        num_pages=cache.num_pages(model.kv_bytes_per_token(config.dtype_bytes)),
+        page_size=cache.page_size,
+        context_length=config.model.context_length,
+        clamp=cache.clamp_context_length,
+        allow_undersized=cache.allow_undersized_pool,
     )
 
 

@@ -1,0 +1,38 @@
+"""What an engine counts (`EngineStats`) and what it reports between steps (`EngineSnapshot`, for /metrics)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvfence.kv.pool import PoolStats
+from kvfence.kv.prefix_cache import PrefixCacheStats
+
+
+@dataclass
+class EngineStats:
+    steps: int = 0
+    tokens_computed: int = 0
+    integrity_checks: int = 0  # request-checks performed (one per scheduled request, twice per step)
+    pages_checked: int = 0
+    integrity_failures: int = 0
+    preemptions: int = 0
+    check_seconds: float = 0.0  # wall time inside the I1 checks, to measure their cost
+    stamp_seconds: float = 0.0  # wall time spent stamping tags on the write path
+    outcomes: dict[str, int] = field(
+        default_factory=dict
+    )  # finished / failed:<code> / aborted / rejected:<code>
+
+    def count(self, outcome: str) -> None:
+        self.outcomes[outcome] = self.outcomes.get(outcome, 0) + 1
+
+
+@dataclass(frozen=True, slots=True)
+class EngineSnapshot:
+    num_running: int
+    num_waiting: int
+    pool: PoolStats
+    integrity_checks: int
+    integrity_failures: int
+    pages_checked: int
+    outcomes: dict[str, int] = field(default_factory=dict)
+    prefix_cache: PrefixCacheStats | None = None  # None when the engine runs without a prefix cache

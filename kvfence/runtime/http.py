@@ -1,0 +1,79 @@
+"""The HTTP front both modes share: the OpenAI API over an `Engine` (local `LLMEngine` or the PD router's
+`RemoteEngine`), with the admin views (`/debug/kv`, `/debug/config`) fed by the mode that knows their data."""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from kvfence.config import Config
+from kvfence.dashboard.routes import KvSource
+from kvfence.engine.preflight import PreflightReport
+from kvfence.engine.protocol import Engine
+from kvfence.server.metrics import ServerMetrics
+
+log = logging.getLogger("kvfence.server")
+
+
+def serve_http(
+    engine: Engine,
+    config: Config,
+    metrics: ServerMetrics,
+    *,
+    config_view: Callable[[], dict[str, Any]],
+    preflight: PreflightReport | None = None,
+    kv_source: KvSource | None = None,
+) -> int:
+    """Serve until interrupted. `config_view`: what `GET /debug/config` returns (admin key only)."""
+    import uvicorn
+
+    from kvfence.server.app import build_app
+    from kvfence.server.async_engine import AsyncEngine
+    from kvfence.server.auth import load_api_keys
+    from kvfence.server.serving import ServerSettings
+
+    server = config.server
+    keys = load_api_keys(server.api_keys) if server.api_keys else None
+    if keys is None and not is_loopback(server.host):
+        log.warning("serving on %s without --api-keys: every client is the anonymous tenant", server.host)
+    async_engine = AsyncEngine(engine, max_queue=server.max_queue, observer=metrics)
+    name = server.served_model_name or Path(config.model.model).stem
+    settings = ServerSettings(
+        name,
+        api_keys=keys,
+        max_body_bytes=server.max_body_bytes,
+        admin_key=server.admin_key,
+        preflight=preflight,
+        config_view=config_view,
+    )
+    app = build_app(async_engine, settings, metrics, kv_source=kv_source)
+    print(how_to_call(server.host, server.port, name, with_key=keys is not None), flush=True)
+    uvicorn.run(app, host=server.host, port=server.port, log_level="info")
+    return 0
+
+
+def how_to_call(host: str, port: int, model: str, with_key: bool) -> str:
+    host = "127.0.0.1" if host in ("0.0.0.0", "::") else host
+    base = f"http://{host}:{port}/v1"
+    auth = " -H 'Authorization: Bearer YOUR_KEY'" if with_key else ""
+    key = "YOUR_KEY" if with_key else "none"
+    body = f'{{"model": "{model}", "messages": [{{"role": "user", "content": "What is a KV cache?"}}]}}'
+    return (
+        f"\nkvfence serves {model} at {base} (OpenAI API). Try:\n"
+        f"  curl {base}/chat/completions -H 'Content-Type: application/json'{auth} -d '{body}'\n"
+        f'  python -c \'from openai import OpenAI; c = OpenAI(base_url="{base}", api_key="{key}"); '
+        f'print(c.chat.completions.create(model="{model}", messages=[{{"role": "user", '
+        f'"content": "Hello!"}}]).choices[0].message.content)\'\n'
+    )
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False

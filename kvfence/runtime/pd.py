@@ -1,0 +1,170 @@
+"""`kvfence serve --mode pd` (router + one prefill and one decode worker on this machine), `kvfence router` (the
+HTTP front alone; workers join from anywhere) and `kvfence prefill|decode` (one worker process).
+
+`serve --mode pd` hands each worker its configuration tree as JSON on standard input (`--config -`), never as a
+rebuilt command line: every field reaches the workers, including ones added later. Each worker carries its
+tree in its registration, so the router's `GET /debug/config` shows what every worker runs with.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import os
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from kvfence.config import Config
+from kvfence.pd import cores
+from kvfence.pd.router import Router
+from kvfence.runtime.process import exit_on_sigterm, parent_death_signal, reap, usable_cpus
+
+log = logging.getLogger("kvfence.pd")
+
+
+def cmd_router(config: Config, args: argparse.Namespace) -> int:
+    exit_on_sigterm()
+    router = Router(bind=config.pd.bind)
+    print(f"kvfence router: workers connect to {router.addr}", flush=True)
+    try:
+        if not router.wait_for_workers(
+            config.pd.num_prefill, config.pd.num_decode, config.pd.registration_timeout
+        ):
+            print("kvfence router: workers did not register in time", file=sys.stderr)
+            return 1
+        return serve_router(router, config)
+    finally:
+        router.shutdown()
+
+
+def cmd_serve_pd(config: Config, args: argparse.Namespace) -> int:
+    exit_on_sigterm()
+    router = Router(bind="tcp://127.0.0.1:0")
+    with _workers(router, config) as procs:
+        alive = lambda: all(p.poll() is None for p in procs)  # noqa: E731
+        if not router.wait_for_workers(1, 1, config.pd.registration_timeout, alive=alive):
+            print(
+                "kvfence serve --mode pd: the workers did not register (see their preflight above)",
+                file=sys.stderr,
+            )
+            return 1
+        return serve_router(router, config)
+
+
+def worker_configs(config: Config, router_addr: str, cores_file: str | None) -> dict[str, Config]:
+    """Each worker's tree: the server's, with its role's pool, half the threads, and this host's core share.
+    A role's own size wins over --kv-pages, which wins over --kv-cache-memory."""
+    total = config.engine.threads or usable_cpus()
+    trees = {}
+    for role, pages in (("prefill", config.pd.prefill_kv_pages), ("decode", config.pd.decode_kv_pages)):
+        size = pages or config.cache.kv_pages
+        trees[role] = config.replace(
+            router=router_addr,
+            threads=max(1, total // 2),  # two workers share this machine's cores
+            kv_pages=size,
+            kv_cache_memory=None if size else config.cache.kv_cache_memory,
+            cores_file=cores_file,
+            max_threads=total if cores_file else None,
+            admin_key=None,
+            api_keys=None,
+        )
+    return trees
+
+
+@contextlib.contextmanager
+def _workers(router: Router, config: Config) -> Iterator[list[subprocess.Popen[bytes]]]:
+    share = None
+    if config.pd.share_cores:
+        fd, name = tempfile.mkstemp(
+            prefix="kvfence-cores-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None
+        )
+        os.close(fd)
+        share = cores.create(Path(name))
+    die_with_parent = parent_death_signal()
+    procs = []
+    for role, tree in worker_configs(config, router.addr, str(share) if share else None).items():
+        cmd = [sys.executable, "-m", "kvfence", role, "--config", "-"]
+        proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, preexec_fn=die_with_parent)
+        assert proc.stdin is not None
+        proc.stdin.write(tree.to_json().encode())
+        proc.stdin.close()
+        procs.append(proc)
+    try:
+        yield procs
+    finally:
+        router.shutdown()  # tells the workers to exit
+        reap(procs)
+        if share is not None:
+            share.unlink(missing_ok=True)
+
+
+def serve_router(router: Router, config: Config) -> int:
+    from kvfence.dashboard.routes import envelope
+    from kvfence.model.loader import load_tokenizer
+    from kvfence.pd.remote import RemoteEngine, WorkersCollector
+    from kvfence.runtime.http import serve_http
+    from kvfence.server.metrics import ServerMetrics
+
+    remote = RemoteEngine(router, load_tokenizer(config.model.model))
+    print(
+        f"kvfence router: context length {remote.context_length} (the smallest any worker holds)", flush=True
+    )
+    metrics = ServerMetrics()
+    metrics.registry.register(WorkersCollector(router))  # each worker's pool, from its heartbeats
+
+    async def kv_source() -> dict[str, Any]:
+        workers, errors = await asyncio.to_thread(router.debug_kv, PD_ANSWER_TIMEOUT_S)
+        return envelope("pd", workers, errors)
+
+    def config_view() -> dict[str, Any]:
+        return {"mode": "pd", "config": config.to_dict(public=True), "workers": router.worker_configs()}
+
+    return serve_http(remote, config, metrics, config_view=config_view, kv_source=kv_source)
+
+
+PD_ANSWER_TIMEOUT_S = 2.0  # a worker busy in a long step answers late; the page shows who did not answer
+
+
+def cmd_worker(config: Config, args: argparse.Namespace) -> int:
+    """One prefill or decode worker: preflight (I6), then register with the router and serve."""
+    from kvfence import trace
+    from kvfence.engine.llm_engine import LLMEngine
+    from kvfence.engine.memory import return_freed_memory
+    from kvfence.pd.cores import CoreShare
+    from kvfence.pd.worker import DecodeWorker, PrefillWorker
+    from kvfence.runtime.colocated import clamped, run_preflight
+
+    role, pd = args.command, config.pd
+    if pd.router is None:
+        print(f"kvfence {role}: --router is required (the router's control address)", file=sys.stderr)
+        return 2
+    share = None
+    if pd.cores_file:  # before the model loads: a bad thread count fails at once
+        threads = config.engine.threads or 1
+        share = CoreShare(Path(pd.cores_file), role, threads, pd.max_threads or threads)
+    report, loaded = run_preflight(config)  # I6: a worker whose pool cannot hold its context refuses
+    if not report.can_start:
+        return 1
+    config = clamped(config, report)
+    traced = trace.install_from_env(role)  # KVFENCE_TRACE=DIR: page events for kvfence.sim.trace_check
+    if traced is not None:
+        log.warning("tracing page events to %s", traced)
+    engine = LLMEngine(config, loaded)
+    del loaded
+    return_freed_memory()
+    public = config.to_dict(public=True)
+    worker: PrefillWorker | DecodeWorker
+    if role == "prefill":
+        worker = PrefillWorker(engine, pd.router, pd.data, pd, cores=share, config=public)
+    else:
+        worker = DecodeWorker(engine, pd.router, pd, cores=share, config=public)
+    worker.preflight = report  # shown per worker on the router's page map
+    log.info("%s worker up, router %s", role, pd.router)
+    worker.serve()
+    return 0
