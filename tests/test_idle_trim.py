@@ -10,7 +10,7 @@ import threading
 
 import pytest
 
-from kvfence.server import async_engine
+from kvfence.engine import loop
 from tests.server_harness import MODEL, running_server
 
 
@@ -22,8 +22,8 @@ def test_engine_thread_trims_the_heap_once_idle_after_work(tiny_model, monkeypat
         trims.append(1)
         trimmed.set()
 
-    monkeypatch.setattr(async_engine, "IDLE_TRIM_S", 0.05)
-    monkeypatch.setattr(async_engine, "trim_heap", record)
+    monkeypatch.setattr(loop, "IDLE_TRIM_S", 0.05)
+    monkeypatch.setattr(loop, "trim_heap", record)
     with running_server(tiny_model) as server:
         client = server.client()
         assert client.models.list().data  # the server answers, and no step has run: nothing to trim

@@ -50,9 +50,8 @@ def imports_of(name: str) -> set[str]:
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
-                base = ".".join(
-                    package.split(".")[: len(package.split(".")) - node.level + 1] + [base]
-                ).strip(".")
+                parts = package.split(".")
+                base = ".".join([*parts[: len(parts) - node.level + 1], base]).strip(".")
             for alias in node.names:  # `from kvfence import trace` imports a module, `from x import f` a name
                 found.add(f"{base}.{alias.name}" if f"{base}.{alias.name}" in MODULES else base)
     return {m for m in found if m in MODULES and m != name and m.startswith("kvfence.")}

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from kvfence.cli import main
-from kvfence.engine.config import EngineConfig
+from kvfence.config import Config
 from kvfence.engine.preflight import Verdict, preflight, preflight_config
 
 
@@ -87,7 +87,7 @@ def test_sizes_that_describe_nothing_are_refused(cfg, kw, needle):
 
 def test_pool_size_from_memory_without_allocating(cfg):
     # 1 MiB at 512 bytes/token in f32 = 2048 tokens = 128 pages of 16
-    r = preflight_config(cfg, EngineConfig(model="x", kv_cache_memory=1 / 1024, page_size=16))
+    r = preflight_config(cfg, Config.of(model="x", dtype="float32", kv_cache_memory=1 / 1024, page_size=16))
     assert (r.num_pages, r.verdict) == (128, Verdict.OK)
 
 

@@ -21,8 +21,8 @@ class IdleTrim:
     never before any work (nothing to trim) and never while there is work. The loop reports each round
     (`due`), or asks how long it may sleep before a trim is due (`wait_s`)."""
 
-    def __init__(self, idle_s: float = IDLE_TRIM_S) -> None:
-        self.idle_s = idle_s
+    def __init__(self, idle_s: float | None = None) -> None:
+        self.idle_s = IDLE_TRIM_S if idle_s is None else idle_s
         self.last_work: float | None = None  # None: trimmed since the last work, or no work yet
 
     def worked(self, now: float) -> None:
