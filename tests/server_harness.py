@@ -64,10 +64,18 @@ def running_server(
     api_keys: dict[str, str] | None = None,
     max_queue: int | None = None,
     max_body_bytes: int = 4 << 20,
+    admin_key: str | None = None,
     **engine_overrides: Any,
 ) -> Iterator[Handle]:
     metrics = ServerMetrics()
-    engine = AsyncEngine(make_engine(loaded, **engine_overrides), max_queue=max_queue, observer=metrics)
-    settings = ServerSettings(MODEL, api_keys=api_keys, max_body_bytes=max_body_bytes)
+    llm = make_engine(loaded, **engine_overrides)
+    engine = AsyncEngine(llm, max_queue=max_queue, observer=metrics)
+    settings = ServerSettings(
+        MODEL,
+        api_keys=api_keys,
+        max_body_bytes=max_body_bytes,
+        admin_key=admin_key,
+        config_view=lambda: {"mode": "colocated", "config": llm.config.to_dict(public=True)},
+    )
     with serve_in_thread(build_app(engine, settings, metrics), timeout=TIMEOUT) as url:
         yield Handle(url, engine, metrics)

@@ -196,3 +196,22 @@ def test_commands_take_only_the_flags_they_act_on():
 def test_dest_names_are_section_dot_field():
     args = parse("serve", "--max-num-seqs", "3")
     assert getattr(args, dest("scheduler", "max_num_seqs")) == 3
+
+
+def test_debug_config_returns_the_effective_tree_to_the_admin_only(tiny_model):
+    import httpx
+
+    from tests.server_harness import running_server
+
+    with running_server(
+        tiny_model, admin_key="adm", api_keys={"k-alice": "alice"}, kv_canary_interval=7
+    ) as srv:
+        assert httpx.get(f"{srv.url}/debug/config").status_code == 401
+        tenant = httpx.get(f"{srv.url}/debug/config", headers={"Authorization": "Bearer k-alice"})
+        assert tenant.status_code == 401  # a tenant's key does not open it
+        got = httpx.get(f"{srv.url}/debug/config", headers={"Authorization": "Bearer adm"})
+        assert got.status_code == 200
+        body = got.json()
+        assert body["mode"] == "colocated" and body["config"]["cache"]["kv_canary_interval"] == 7
+        assert "admin_key" not in body["config"]["server"] and '"adm"' not in got.text
+        assert Config.from_json(json.dumps(body["config"])) == srv.engine.engine.config  # type: ignore[attr-defined]
