@@ -14,6 +14,7 @@ import sys
 from collections.abc import Callable
 
 from kvfence import config as tree
+from kvfence import options
 from kvfence.flags import add_flags, config_from_args
 from kvfence.runtime.process import process_defaults
 
@@ -80,15 +81,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=None)
     p.add_argument("--seed", type=int, default=None)
-    configured(p, tree.GENERATE, _lazy("kvfence.runtime.colocated", "cmd_generate"))
+    configured(p, options.GENERATE, _lazy("kvfence.runtime.colocated", "cmd_generate"))
 
     p = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API (colocated or PD mode)")
-    configured(p, tree.SERVE, _serve)
+    configured(p, options.SERVE, _serve)
     p = sub.add_parser("preflight", help="print the KV pool vs context length check (I6) and exit")
-    configured(p, tree.PREFLIGHT, _lazy("kvfence.runtime.colocated", "cmd_preflight"))
+    configured(p, options.PREFLIGHT, _lazy("kvfence.runtime.colocated", "cmd_preflight"))
     p = sub.add_parser("router", help="PD: the HTTP front; prefill and decode workers register with it")
-    configured(p, tree.ROUTER, _lazy("kvfence.runtime.pd", "cmd_router"))
-    for role in (tree.PREFILL, tree.DECODE):
+    configured(p, options.ROUTER, _lazy("kvfence.runtime.pd", "cmd_router"))
+    for role in (options.PREFILL, options.DECODE):
         p = sub.add_parser(role, help=f"run a PD {role} worker that registers with a router")
         configured(p, role, _lazy("kvfence.runtime.pd", "cmd_worker"))
 

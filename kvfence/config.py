@@ -23,51 +23,25 @@ from typing import Any, TypeVar
 
 from kvfence.faults import Faults
 from kvfence.model.fetch import DEFAULT_MODEL_PATH
-
-# the commands an option belongs to (the generated flags of each command)
-GENERATE, SERVE, PREFLIGHT, ROUTER, PREFILL, DECODE = (
-    "generate",
-    "serve",
-    "preflight",
-    "router",
-    "prefill",
-    "decode",
+from kvfence.options import (
+    DEFAULT_KV_CACHE_GIB,
+    DTYPE_BYTES,
+    DTYPES,
+    ENGINE,
+    HTTP,
+    INT8_MODES,
+    PREFILL,
+    ROUTER,
+    SERVE,
+    SIZED,
+    WORKERS,
+    check,
+    internal,
+    is_march,
+    option,
+    parse_value,
+    resolve_dtype,
 )
-WORKERS = frozenset({PREFILL, DECODE})
-ENGINE = frozenset({GENERATE, SERVE, PREFLIGHT}) | WORKERS  # the commands that build an engine
-SIZED = frozenset({SERVE, PREFLIGHT}) | WORKERS  # the commands that run the preflight (I6)
-HTTP = frozenset({SERVE, ROUTER})  # the commands that serve the OpenAI API
-
-INT8_MODES = ("0", "decode", "all")
-DTYPES = ("auto", "float32", "bfloat16", "float16")
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-DEFAULT_KV_CACHE_GIB = 1.0
-
-
-def option(
-    default: Any,
-    help: str,
-    *,
-    commands: frozenset[str] = ENGINE,
-    flag: str | None = None,
-    choices: tuple[str, ...] | None = None,
-    env: str | None = None,
-    group: str | None = None,
-    alias_off: str | None = None,
-    secret: bool = False,
-    metavar: str | None = None,
-) -> Any:
-    """A field of the tree with what its flag needs. `flag`: the flag's name when it is not `--field-name`;
-    `group`: flags of one group are mutually exclusive; `alias_off`: another flag that sets a boolean False;
-    `secret`: never logged, returned or sent to a worker."""
-    meta = dict(help=help, commands=commands, flag=flag, choices=choices, env=env, group=group,
-                alias_off=alias_off, secret=secret, metavar=metavar)  # fmt: skip
-    return field(default=default, metadata=meta)
-
-
-def internal(default: Any) -> Any:
-    """A field set by code (the simulator, PD pairs), never from the command line."""
-    return field(default=default, metadata=dict(commands=frozenset(), help="", secret=False))
 
 
 @dataclass(frozen=True)
@@ -82,8 +56,8 @@ class ModelOptions:
     context_length: int | None = option(None, "lower the model's context length")
 
     def __post_init__(self) -> None:
-        _check(self.dtype in DTYPES, f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
-        _check(
+        check(self.dtype in DTYPES, f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        check(
             self.context_length is None or self.context_length >= 1,
             f"--context-length must be at least 1, got {self.context_length}",
         )
@@ -125,26 +99,26 @@ class CacheOptions:
     )
 
     def __post_init__(self) -> None:
-        _check(
+        check(
             self.page_size >= 1 and self.page_size & (self.page_size - 1) == 0,
             f"--page-size must be a power of two, got {self.page_size}",
         )
-        _check(
+        check(
             self.kv_pages is None or self.kv_pages >= 1, f"--kv-pages must be at least 1, got {self.kv_pages}"
         )
-        _check(
+        check(
             self.kv_pages is None or self.kv_cache_memory is None,
             "give either --kv-pages or --kv-cache-memory, not both",
         )
-        _check(
+        check(
             self.kv_cache_memory is None or self.kv_cache_memory > 0,
             f"--kv-cache-memory must be positive, got {self.kv_cache_memory}",
         )
-        _check(
+        check(
             not (self.clamp_context_length and self.allow_undersized_pool),
             "give either --clamp-context-length or --allow-undersized-pool, not both",
         )
-        _check(
+        check(
             self.kv_canary_interval >= 0,
             f"--kv-canary-interval must be 0 (off) or a number of steps, got {self.kv_canary_interval}",
         )
@@ -170,11 +144,11 @@ class SchedulerOptions:
     )
 
     def __post_init__(self) -> None:
-        _check(
+        check(
             self.max_num_seqs >= 1 and self.max_num_batched_tokens >= 1,
             "--max-num-seqs and --max-num-batched-tokens must be at least 1",
         )
-        _check(self.prefill_batch_tokens >= 0, "--prefill-batch-tokens must be 0 (no limit) or positive")
+        check(self.prefill_batch_tokens >= 0, "--prefill-batch-tokens must be 0 (no limit) or positive")
 
 
 @dataclass(frozen=True)
@@ -196,7 +170,7 @@ class EngineOptions:
         Faults.parse(self.faults)  # an unknown knob is refused here, not when the engine starts
         for name in ("threads", "decode_threads"):
             value = getattr(self, name)
-            _check(value is None or value >= 1, f"--{name.replace('_', '-')} must be at least 1, got {value}")
+            check(value is None or value >= 1, f"--{name.replace('_', '-')} must be at least 1, got {value}")
 
 
 @dataclass(frozen=True)
@@ -226,9 +200,9 @@ class KernelOptions:
     )
 
     def __post_init__(self) -> None:
-        _check(self.int8 in INT8_MODES, f"--int8 {self.int8!r}: expected one of {', '.join(INT8_MODES)}")
-        _check(
-            _is_march(self.kernels_march),
+        check(self.int8 in INT8_MODES, f"--int8 {self.int8!r}: expected one of {', '.join(INT8_MODES)}")
+        check(
+            is_march(self.kernels_march),
             f"--kernels-march {self.kernels_march!r}: expected a gcc -march target such as native or x86-64-v3",
         )
 
@@ -257,9 +231,9 @@ class ServerOptions:
     )
 
     def __post_init__(self) -> None:
-        _check(self.max_queue >= 1, f"--max-queue must be at least 1, got {self.max_queue}")
-        _check(self.max_body_bytes >= 1, f"--max-body-bytes must be at least 1, got {self.max_body_bytes}")
-        _check(0 <= self.port < 65536, f"--port must be 0-65535, got {self.port}")
+        check(self.max_queue >= 1, f"--max-queue must be at least 1, got {self.max_queue}")
+        check(self.max_body_bytes >= 1, f"--max-body-bytes must be at least 1, got {self.max_body_bytes}")
+        check(0 <= self.port < 65536, f"--port must be 0-65535, got {self.port}")
 
 
 @dataclass(frozen=True)
@@ -322,16 +296,16 @@ class PDOptions:
     )
 
     def __post_init__(self) -> None:
-        _check(self.transfer_window >= 1, f"--transfer-window must be at least 1, got {self.transfer_window}")
+        check(self.transfer_window >= 1, f"--transfer-window must be at least 1, got {self.transfer_window}")
         for name in ("transfer_timeout", "prefill_timeout", "registration_timeout"):
             value = getattr(self, name)
-            _check(value > 0, f"--{name.replace('_', '-')} must be positive, got {value}")
+            check(value > 0, f"--{name.replace('_', '-')} must be positive, got {value}")
         for name in ("num_prefill", "num_decode"):
             value = getattr(self, name)
-            _check(value >= 1, f"--{name.replace('_', '-')} must be at least 1, got {value}")
+            check(value >= 1, f"--{name.replace('_', '-')} must be at least 1, got {value}")
         for name in ("prefill_kv_pages", "decode_kv_pages", "max_threads"):
             value = getattr(self, name)
-            _check(value is None or value >= 1, f"--{name.replace('_', '-')} must be at least 1, got {value}")
+            check(value is None or value >= 1, f"--{name.replace('_', '-')} must be at least 1, got {value}")
 
 
 @dataclass(frozen=True)
@@ -378,16 +352,15 @@ class Config:
 
     def describe(self) -> str:
         """One line per section for the start-up log (secrets shown as set or unset)."""
-        lines = []
-        for s in sections():
-            section = getattr(self, s.name)
-            items = []
-            for f in fields_of(s.type_):
-                value = getattr(section, f.name)
-                shown = ("<set>" if value else "<unset>") if f.metadata.get("secret") else value
-                items.append(f"{f.name}={shown}")
-            lines.append(f"{s.name}: " + " ".join(items))
-        return "\n".join(lines)
+
+        def shown(f: dataclasses.Field[Any], value: Any) -> Any:
+            return ("<set>" if value else "<unset>") if f.metadata.get("secret") else value
+
+        return "\n".join(
+            f"{name}: " + " ".join(f"{f}={shown(fields[f], v)}" for f, v in values.items())
+            for name, values in self.to_dict().items()
+            for fields in [{f.name: f for f in fields_of(type(getattr(self, name)))}]
+        )
 
     @property
     def dtype_bytes(self) -> int:
@@ -438,9 +411,6 @@ def from_env(config: Config, environ: Mapping[str, str] | None = None) -> Config
     )
 
 
-_NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16")  # /proc/cpuinfo flags of CPUs with bfloat16 dot products
-
-
 def resolve(config: Config) -> Config:
     """The tree with `dtype=auto` (the command line's default) made concrete, once, where it is read: bfloat16
     on CUDA and on CPUs with native bfloat16 dot products (AVX512-BF16 or AMX, where the C++ kernels run; 2-4x
@@ -449,47 +419,6 @@ def resolve(config: Config) -> Config:
     if config.model.dtype != "auto":
         return config
     return config.replace(dtype=resolve_dtype("auto", config.model.device))
-
-
-def resolve_dtype(dtype: str, device: str) -> str:
-    if dtype != "auto":
-        return dtype
-    if device.startswith("cuda"):
-        return "bfloat16"
-    try:
-        with open("/proc/cpuinfo", "rb") as f:
-            line = next((line for line in f if line.startswith(b"flags")), b"")
-    except OSError:
-        line = b""
-    flags = line.decode(errors="replace").split()
-    return "bfloat16" if any(flag in _NATIVE_BF16_FLAGS for flag in flags) else "float32"
-
-
-def parse_value(f: dataclasses.Field[Any], text: str) -> Any:
-    """A field's value from text (an environment variable): booleans are 0/1/true/false/on/off."""
-    kind = _kind(f)
-    if kind is bool:
-        lowered = text.strip().lower()
-        if lowered in ("1", "true", "on", "yes"):
-            return True
-        if lowered in ("0", "false", "off", "no"):
-            return False
-        raise ValueError(f"{f.metadata.get('env') or f.name}={text!r}: expected 0 or 1")
-    if kind is int:
-        return int(text)
-    if kind is float:
-        return float(text)
-    return text
-
-
-def _kind(f: dataclasses.Field[Any]) -> type:
-    """The Python type of a field's values (`int | None` -> int), from its annotation string."""
-    annotation = str(f.type).replace(" | None", "")
-    return {"bool": bool, "int": int, "float": float, "str": str}[annotation]
-
-
-def optional(f: dataclasses.Field[Any]) -> bool:
-    return str(f.type).endswith("| None")
 
 
 S = TypeVar("S")
@@ -527,14 +456,3 @@ def _build(cls: type[Config], nested: Mapping[str, Mapping[str, Any]]) -> Config
             raise ValueError(f"unknown field(s) in section {s.name!r}: {', '.join(unknown)}")
         built[s.name] = s.type_(**values)
     return cls(**built)
-
-
-def _check(ok: bool, message: str) -> None:
-    if not ok:
-        raise ValueError(message)
-
-
-def _is_march(value: str) -> bool:
-    import re
-
-    return re.fullmatch(r"[a-z0-9][a-z0-9._+-]{0,63}", value) is not None

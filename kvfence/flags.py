@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from kvfence import config as tree
+from kvfence import options
 from kvfence.config import Config
 
 
@@ -44,7 +45,7 @@ def add_flags(p: argparse.ArgumentParser, command: str) -> None:
         if meta.get("group"):
             target = groups.setdefault(meta["group"], p.add_mutually_exclusive_group())
         help_text = _help(f)
-        kind = tree._kind(f)
+        kind = options.kind(f)
         name = flag_name(f)
         key = dest(section, f.name)
         if kind is bool:

@@ -9,6 +9,7 @@ import json
 import pytest
 
 from kvfence import config as tree
+from kvfence import options
 from kvfence.cli import build_parser
 from kvfence.config import Config, KernelOptions, SchedulerOptions
 from kvfence.flags import config_from_args, dest, flag_name
@@ -28,7 +29,7 @@ def other_value(f: dataclasses.Field, current):  # type: ignore[no-untyped-def]
     choices = f.metadata.get("choices")
     if choices:
         return next(c for c in choices if c != current)
-    kind = tree._kind(f)
+    kind = options.kind(f)
     if kind is bool:
         return not current
     if f.name == "page_size":
