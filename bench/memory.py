@@ -118,9 +118,8 @@ def tensor_storages(obj: object, seen: dict[int, int]) -> None:
 def weights_and_pool(serve_flags: list[str]) -> tuple[float, float]:
     """MiB of weights and of the KV pool of the engine that `kvfence serve FLAGS` builds."""
     from kvfence.cli import build_parser
-    from kvfence.config import resolve
     from kvfence.engine.llm_engine import LLMEngine
-    from kvfence.flags import config_from_args
+    from kvfence.flags import config_from_args, resolve
     from kvfence.runtime.process import process_defaults
 
     process_defaults(os.environ)

@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 from kvfence import config as tree
 from kvfence import options
-from kvfence.flags import add_flags, config_from_args
+from kvfence.flags import add_flags, config_from_args, resolve
 from kvfence.runtime.process import process_defaults
 
 log = logging.getLogger("kvfence")
@@ -32,7 +32,7 @@ def cmd_fetch_model(args: argparse.Namespace) -> int:
 def run_configured(args: argparse.Namespace) -> int:
     """Build the effective tree (a bad value is refused before anything loads), log it, run the command."""
     try:
-        config = tree.resolve(config_from_args(args))
+        config = resolve(config_from_args(args))
     except (OSError, ValueError) as e:
         print(f"kvfence {args.command}: {e}", file=sys.stderr)
         return 2

@@ -1,15 +1,10 @@
 """The configuration tree: every option of every kvfence process, its default and its help text, defined once.
 
-One frozen dataclass per section (model, cache, scheduler, engine, kernels, server, pd) under `Config`. The
-command-line flags are generated from these fields (`kvfence/cli_options.py`), PD workers receive their tree as
-JSON (`to_json` / `from_json`), every process logs its effective tree at start (`describe`), the server returns
-it from `GET /debug/config` and each worker carries it in its registration. Secrets (`admin_key`, `api_keys`'
-path is not one) never leave the process: `public_dict` drops them.
-
-Environment variables remain as documented overrides that feed the tree (the field's `env`), never read behind
-its back: `from_env` applies them, and the flags given on the command line win over them.
-
-Torch-free: the command line parses without loading torch.
+One frozen dataclass per section (model, cache, scheduler, engine, kernels, server, pd) under `Config`. The flags
+are generated from these fields (kvfence/flags.py), PD workers receive their tree as JSON, every process logs it
+at start (`describe`), `GET /debug/config` returns it and each worker carries it in its registration. Secrets
+(`admin_key`) never leave the process. Environment variables are documented overrides that feed the tree (a
+field's `env`, applied by `from_env`); nothing reads them behind its back. Torch-free.
 """
 
 from __future__ import annotations
@@ -40,7 +35,6 @@ from kvfence.options import (
     is_march,
     option,
     parse_value,
-    resolve_dtype,
 )
 
 
@@ -409,16 +403,6 @@ def from_env(config: Config, environ: Mapping[str, str] | None = None) -> Config
     return dataclasses.replace(
         config, **{s.name: _with_env(getattr(config, s.name), environ) for s in sections()}
     )
-
-
-def resolve(config: Config) -> Config:
-    """The tree with `dtype=auto` (the command line's default) made concrete, once, where it is read: bfloat16
-    on CUDA and on CPUs with native bfloat16 dot products (AVX512-BF16 or AMX, where the C++ kernels run; 2-4x
-    faster than float32 here), float32 on other CPUs, where bfloat16 is emulated and slower. PD workers get the
-    resolved tree, so both sides of a transfer hold the same dtype."""
-    if config.model.dtype != "auto":
-        return config
-    return config.replace(dtype=resolve_dtype("auto", config.model.device))
 
 
 S = TypeVar("S")

@@ -7,12 +7,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvfence.config import Config, resolve_dtype
+from kvfence.config import Config
 from kvfence.engine.llm_engine import LLMEngine
 from kvfence.engine.output import RequestOutput
 from kvfence.faults import Faults
 from kvfence.model.fetch import DEFAULT_MODEL_PATH
 from kvfence.model.loader import LoadedModel, load_model
+from kvfence.options import resolve_dtype
 
 torch.set_num_threads(2)
 

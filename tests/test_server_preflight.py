@@ -182,8 +182,8 @@ def test_serve_command_clamps_and_serves(tiny_dir, tmp_path):
 def test_dtype_auto_is_bfloat16_where_the_cpu_has_bfloat16_dot_products():
     """`--dtype auto` (the command line's default) resolves to one concrete dtype; others pass through."""
     from kvfence.cli import build_parser
-    from kvfence.config import resolve, resolve_dtype
-    from kvfence.flags import config_from_args
+    from kvfence.flags import config_from_args, resolve
+    from kvfence.options import resolve_dtype
 
     with open("/proc/cpuinfo") as f:
         flags = next((line for line in f if line.startswith("flags")), "").split()
