@@ -102,14 +102,7 @@ def cmd_fetch_model(args: argparse.Namespace) -> int:
 def cmd_generate(args: argparse.Namespace) -> int:
     from kvfence.engine.llm_engine import LLMEngine
     from kvfence.engine.request import SamplingParams
-    from kvfence.model import kernels
 
-    try:  # the kernel switches are refused before loading, as `serve` refuses them
-        kernels.int8_mode()
-        kernels.march()
-    except ValueError as e:
-        print(f"kvfence generate: {e}", file=sys.stderr)
-        return 2
     engine = LLMEngine(engine_config_from_args(args))
     prompt = args.prompt
     if args.chat:

@@ -107,14 +107,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if problem := size_problem(args):
         print(f"kvfence serve: {problem}", file=sys.stderr)
         return 2
-    from kvfence.model import kernels
-
-    try:
-        kernels.int8_mode()  # before minutes of loading, and for every model (it matters only for GGUF blocks)
-        kernels.march()
-    except ValueError as e:
-        print(f"kvfence serve: {e}", file=sys.stderr)
-        return 2
     if getattr(args, "mode", "colocated") == "pd":
         from kvfence.pd.serve import cmd_serve_pd
 
