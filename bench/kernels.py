@@ -21,13 +21,11 @@ panels, `linear_f32`, float32 slices on the torch path), then the head alone wit
 from __future__ import annotations
 
 import argparse
-import os
 import random
 import statistics
 import sys
 import time
 from collections.abc import Callable
-from types import ModuleType
 
 import torch
 
@@ -36,18 +34,13 @@ from kvfence.engine.llm_engine import LLMEngine
 from kvfence.engine.plan import Plan, PlanRow
 from kvfence.engine.request import SamplingParams
 from kvfence.ids import LeaseId, PageId, RequestId
-from kvfence.model import llama
+from kvfence.model import linears as linear_layers
 from kvfence.model.fetch import DEFAULT_MODEL_PATH
-from kvfence.model.llama import (
-    MLP,
-    Attention,
-    LlamaForCausalLM,
-    OutputHead,
-    PackedLinear,
-    float32_linear,
-    fuse_quantized,
-)
-from kvfence.model.loader import QuantPanels, load_model
+from kvfence.model.kernels import KernelOps
+from kvfence.model.linears import OutputHead, PackedLinear, float32_linear, fuse_quantized
+from kvfence.model.llama import MLP, Attention, LlamaForCausalLM
+from kvfence.model.loader import load_model
+from kvfence.model.quant import QuantPanels
 
 
 def plan(rng: random.Random, rows: int, new: int, ctx: int, pool_pages: int) -> Plan:
@@ -69,10 +62,13 @@ def main() -> None:
     ap.add_argument("--quant-max-rows", type=int, default=None, help="one limit for every kind of block")
     args = ap.parse_args()
     pool_pages = 2048
-    config = Config.of(
-        model=str(DEFAULT_MODEL_PATH), dtype="bfloat16", threads=args.threads, kv_pages=pool_pages
+    config = Config.of(  # int8 decode keeps the bfloat16 weights: every variant runs on this one model
+        model=str(DEFAULT_MODEL_PATH),
+        dtype="bfloat16",
+        threads=args.threads,
+        kv_pages=pool_pages,
+        int8="decode",
     )
-    os.environ["KVFENCE_INT8"] = "decode"  # keeps the bfloat16 weights: every variant runs on this one model
     runner = LLMEngine(config).runner
     model = runner.model
     ops = model.kernels
@@ -81,7 +77,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
 
     if args.quant_max_rows is not None:
-        llama.QUANT_MAX_ROWS = dict.fromkeys(llama.QUANT_MAX_ROWS, args.quant_max_rows)
+        linear_layers.QUANT_MAX_ROWS = dict.fromkeys(linear_layers.QUANT_MAX_ROWS, args.quant_max_rows)
     loaded = load_model(config.model.model, dtype=torch.bfloat16)
     fused = fuse_quantized(loaded.quantized, loaded.config)
     linears = {name: m for name, m in model.named_modules() if isinstance(m, PackedLinear)}
@@ -105,7 +101,7 @@ def main() -> None:
         for name, m in linears.items():
             m.panels = panels[name] if linear.startswith("int8") else None
             every_step = linear == "int8 all"  # as the server runs them
-            m.panel_max_rows = sys.maxsize if every_step else llama.FINE_MAX_ROWS
+            m.panel_max_rows = sys.maxsize if every_step else linear_layers.FINE_MAX_ROWS
             m.quant = blocks[name] if linear == "bf16 activations" else None
             m.kernels = ops
         head.panels = head_panels if linear.startswith("int8") else None  # float32 logits on every path
@@ -125,9 +121,8 @@ def main() -> None:
         "prefill, 196 tokens": (plan(rng, 1, 196, 196, pool_pages), 3),
     }
     names = list(variants)
-    print(
-        f"threads {args.threads}, {args.reps} rotations, blocks up to {llama.QUANT_MAX_ROWS} rows; median step ms"
-    )
+    limits = linear_layers.QUANT_MAX_ROWS
+    print(f"threads {args.threads}, {args.reps} rotations, blocks up to {limits} rows; median step ms")
     print(f"{'':20s}" + "".join(f"{n:>18s}" for n in names) + "   ratios to torch")
     for name, (step_plan, calls) in plans.items():
         times: dict[str, list[float]] = {n: [] for n in names}
@@ -145,10 +140,10 @@ def main() -> None:
     head_costs(ops, head_panels, head.weight, args.reps)
 
 
-def head_costs(ops: ModuleType, panels: QuantPanels | None, weight: torch.Tensor, reps: int) -> None:
+def head_costs(ops: KernelOps, panels: QuantPanels | None, weight: torch.Tensor, reps: int) -> None:
     """What float32 logits cost (issue 20, docs/quality.md): the output head alone, each path's float32 version
     beside the bfloat16-output one it replaced, alternated on the same rows."""
-    packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), llama.DECODE_ROWS_HINT)
+    packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), linear_layers.DECODE_ROWS_HINT)
     variants: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
         "oneDNN bf16": lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""),
         "linear_f32": lambda x: ops.linear_f32(x, weight),
@@ -158,12 +153,8 @@ def head_costs(ops: ModuleType, panels: QuantPanels | None, weight: torch.Tensor
     if panels is not None:
         p = panels
         variants = {
-            "panels bf16": lambda x: ops.panel_linear(
-                x, p.wp, p.d, p.m, p.kind_id, p.n, 2 if len(x) <= 8 else 1
-            ),
-            "panels f32": lambda x: ops.panel_linear_f32(
-                x, p.wp, p.d, p.m, p.kind_id, p.n, 2 if len(x) <= 8 else 1
-            ),
+            "panels bf16": lambda x: ops.panel_linear(x, p, 2 if len(x) <= 8 else 1),
+            "panels f32": lambda x: ops.panel_linear_f32(x, p, 2 if len(x) <= 8 else 1),
             **variants,
         }
     names = list(variants)

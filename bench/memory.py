@@ -28,6 +28,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from kvfence.config import KernelOptions
+
 ROOT = Path(__file__).resolve().parent.parent
 TARGET_MIB = 400e6 / 2**20
 
@@ -159,7 +161,7 @@ def main() -> None:
         server.send_signal(signal.SIGTERM)
         server.wait(60)
     weights, pool = weights_and_pool(flags)
-    int8 = os.environ.get("KVFENCE_INT8", "decode")
+    int8 = KernelOptions.from_env().int8  # what the server was started with (the same environment)
     print(f"kvfence serve --mode {args.mode} {' '.join(flags)}  (KVFENCE_INT8={int8})")
     print("W1:", next((line.strip() for line in report if "tok/s" in line), "?"))
     print(f"weights {weights:.1f} MiB, KV pool {pool:.1f} MiB (per engine process)")

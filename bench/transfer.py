@@ -67,7 +67,7 @@ class Laps:
 def make_cache(page_bytes: int, num_pages: int) -> Any:
     import torch
 
-    from kvfence.model.llama import PagedKV
+    from kvfence.model.paged_kv import PagedKV
 
     torch.set_num_threads(1)
     row = 2 * LAYERS * PAGE_SIZE * DTYPE_BYTES

@@ -6,16 +6,21 @@ slower."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from types import ModuleType
 
 import pytest
 
+from kvfence.config import KernelOptions
 from kvfence.model import kernels
 
 
 def kernel_ops() -> ModuleType:
-    ops = kernels.ops()
+    """The compiled module itself (every kernel, `panel_linear_scalar` included), for the options of the
+    environment (`KernelOptions.from_env()`: KVFENCE_KERNELS, KVFENCE_KERNELS_MARCH)."""
+    options = KernelOptions.from_env()
+    ops = kernels.library(options.kernels_march) if options.kernels else None
     if ops is None:
         if os.environ.get("KVFENCE_REQUIRE_KERNELS") == "1":
             raise RuntimeError(
@@ -27,3 +32,8 @@ def kernel_ops() -> ModuleType:
             allow_module_level=True,
         )
     return ops
+
+
+def kernel_options(**changes: object) -> KernelOptions:
+    """The environment's options (the build `kernel_ops()` loads) with `changes`, for a model under test."""
+    return dataclasses.replace(KernelOptions.from_env(), **changes)

@@ -14,11 +14,13 @@ import pytest
 import torch
 import transformers
 
+from kvfence.config import KernelOptions
 from kvfence.engine.plan import Plan, PlanRow
 from kvfence.engine.request import SamplingParams
 from kvfence.ids import LeaseId, PageId, RequestId
-from kvfence.model.llama import AttentionMetadata, LlamaForCausalLM, PagedKV, PrefillSeq
+from kvfence.model.llama import AttentionMetadata, LlamaForCausalLM, PrefillSeq
 from kvfence.model.loader import LoadedModel, load_model
+from kvfence.model.paged_kv import PagedKV
 from tests.model_factory import write_tiny_hf_dir
 
 
@@ -55,11 +57,16 @@ def run_paged(
     chunks: list[int],
     page_size: int = 4,
     dtype: torch.dtype = torch.float32,
+    kernels: KernelOptions | None = None,
 ) -> torch.Tensor:
-    """Feed `ids` through our model in the given chunk sizes (1 = decode path); logits at every position."""
-    model = LlamaForCausalLM.from_weights(loaded.config, loaded.weights, dtype, "cpu", loaded.quantized)
+    """Feed `ids` through our model in the given chunk sizes (1 = decode path); logits at every position.
+    `kernels`: the model's compute path (None: the options `loaded` was loaded with)."""
+    options = loaded.kernels if kernels is None else kernels
+    model = LlamaForCausalLM.from_weights(
+        loaded.config, loaded.weights, dtype, "cpu", loaded.quantized, options
+    )
     num_pages = -(-len(ids) // page_size)
-    cache = PagedKV(loaded.config, num_pages + 3, page_size, dtype, "cpu")
+    cache = PagedKV(loaded.config, num_pages + 3, page_size, dtype, "cpu", options.hugepages)
     pages = [PageId(p) for p in reversed(range(3, num_pages + 3))]  # non-contiguous, out of order
     out, start = [], 0
     for n in chunks:
@@ -158,7 +165,7 @@ def test_runner_reads_and_writes_only_block_table_pages(tiny_model, dtype):
 def test_packed_bfloat16_linears_equal_plain_ones(tmp_path, monkeypatch, tie, bias):
     """bfloat16 on CPU runs every projection through oneDNN with the weight packed once at load; the logits must
     be those of plain F.linear, bit for bit, on every attention path (a tied head gets its own packed copy)."""
-    from kvfence.model.llama import PackedLinear
+    from kvfence.model.linears import PackedLinear
 
     assert PackedLinear.supported(torch.bfloat16, "cpu"), (
         "the pinned CPU torch build has oneDNN: packing must run"

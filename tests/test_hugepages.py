@@ -10,7 +10,7 @@ import torch
 
 from kvfence.model import hugepages
 from kvfence.model.config import ModelConfig
-from kvfence.model.llama import PagedKV
+from kvfence.model.paged_kv import PagedKV
 
 pytestmark = pytest.mark.skipif(
     sys.platform != "linux", reason="reads /proc/self/smaps, which only Linux has"
@@ -50,8 +50,7 @@ def advised_for_huge_pages(t: torch.Tensor) -> bool:
     raise AssertionError("no mapping holds the tensor")
 
 
-def test_big_buffers_ask_for_huge_pages_and_small_ones_do_not(monkeypatch):
-    monkeypatch.setenv("KVFENCE_HUGEPAGES", "1")
+def test_big_buffers_ask_for_huge_pages_and_small_ones_do_not():
     big = hugepages.empty((hugepages.MIN_BYTES // 2,), torch.bfloat16)
     assert big.shape == (hugepages.MIN_BYTES // 2,) and big.dtype == torch.bfloat16
     assert advised_for_huge_pages(big) == THP
@@ -64,7 +63,6 @@ def test_big_buffers_ask_for_huge_pages_and_small_ones_do_not(monkeypatch):
 
 def test_a_refused_advice_gives_plain_memory(monkeypatch):
     """A kernel built without transparent huge pages (or a sandbox) refuses MADV_HUGEPAGE: plain memory then."""
-    monkeypatch.setenv("KVFENCE_HUGEPAGES", "1")
 
     class Refusing(mmap.mmap):
         def madvise(self, *args: int) -> None:
@@ -75,13 +73,14 @@ def test_a_refused_advice_gives_plain_memory(monkeypatch):
     assert t.shape == (hugepages.MIN_BYTES,) and not advised_for_huge_pages(t)
 
 
-def test_switched_off_gives_plain_memory(monkeypatch):
-    monkeypatch.setenv("KVFENCE_HUGEPAGES", "0")
-    assert not advised_for_huge_pages(hugepages.empty((hugepages.MIN_BYTES,), torch.uint8))
+def test_switched_off_gives_plain_memory():
+    assert not advised_for_huge_pages(hugepages.empty((hugepages.MIN_BYTES,), torch.uint8, huge=False))
+    assert not advised_for_huge_pages(
+        hugepages.pack([torch.zeros(hugepages.MIN_BYTES, dtype=torch.uint8)], False)[0]
+    )
 
 
-def test_pack_copies_each_tensor_aligned_into_one_buffer(monkeypatch):
-    monkeypatch.setenv("KVFENCE_HUGEPAGES", "1")
+def test_pack_copies_each_tensor_aligned_into_one_buffer():
     g = torch.Generator().manual_seed(0)
     parts = [
         torch.randint(0, 256, (49152, 288), generator=g, dtype=torch.uint8),  # Q4_1 nibbles of a big head
@@ -98,14 +97,13 @@ def test_pack_copies_each_tensor_aligned_into_one_buffer(monkeypatch):
     assert advised_for_huge_pages(placed[0]) == THP and advised_for_huge_pages(placed[-1]) == THP
 
 
-def test_the_kv_pool_is_on_huge_pages_and_zeroed(monkeypatch):
-    monkeypatch.setenv("KVFENCE_HUGEPAGES", "1")
+def test_the_kv_pool_is_on_huge_pages_and_zeroed():
     cfg = ModelConfig(
         architecture="llama", vocab_size=64, hidden_size=64, intermediate_size=128, num_layers=4, num_heads=4,
         num_kv_heads=2, head_dim=16, rope_theta=10000.0, rms_norm_eps=1e-5, context_length=256,
         tie_word_embeddings=True, attention_bias=False, bos_token_id=None, eos_token_ids=(0,),
     )  # fmt: skip
-    cache = PagedKV(cfg, num_pages=2048, page_size=16, dtype=torch.bfloat16, device="cpu")
+    cache = PagedKV(cfg, num_pages=2048, page_size=16, dtype=torch.bfloat16, device="cpu", huge_pages=True)
     assert cache.kv.shape == (4, 2, 2048, 16, 2, 16)
     assert advised_for_huge_pages(cache.kv) == THP
     assert not cache.kv.any()

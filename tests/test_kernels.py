@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.kernel_ops import kernel_ops
+from tests.kernel_ops import kernel_ops, kernel_options
 
 OPS = kernel_ops()
 
@@ -206,7 +206,7 @@ def test_fused_layer_operators_match_float32(rows):
     assert torch.isnan(OPS.silu_mul(gate_up)[0, 0])
 
 
-def test_bfloat16_models_use_the_kernel_and_agree_with_the_torch_path(tmp_path, monkeypatch):
+def test_bfloat16_models_use_the_kernel_and_agree_with_the_torch_path(tmp_path):
     """A bfloat16 model decodes through the kernel; switched off, the torch path gives logits within bfloat16
     rounding of it."""
     from kvfence.model.llama import LlamaForCausalLM
@@ -216,14 +216,14 @@ def test_bfloat16_models_use_the_kernel_and_agree_with_the_torch_path(tmp_path, 
 
     loaded = load_model(write_tiny_hf_dir(tmp_path / "m", arch="llama", seed=4, head_dim=32))
     model = LlamaForCausalLM.from_weights(loaded.config, loaded.weights, torch.bfloat16, "cpu")
-    assert model.kernels is OPS and all(layer.self_attn.kernels is OPS for layer in model.model.layers)
+    assert model.kernels is not None and model.kernels.lib is OPS
+    assert all(layer.self_attn.kernels is model.kernels for layer in model.model.layers)
     ids = torch.randint(
         0, loaded.config.vocab_size, (40,), generator=torch.Generator().manual_seed(2)
     ).tolist()
     chunks = [20, 1, 1, 1, 9, 1, 1, 1, 1, 1, 1, 1, 1]
     with_kernel = run_paged(loaded, ids, chunks, dtype=torch.bfloat16)
-    monkeypatch.setenv("KVFENCE_KERNELS", "0")
-    without = run_paged(loaded, ids, chunks, dtype=torch.bfloat16)
+    without = run_paged(loaded, ids, chunks, dtype=torch.bfloat16, kernels=kernel_options(kernels=False))
     assert not torch.equal(with_kernel, without)  # the kernel really ran (it rounds differently)
     torch.testing.assert_close(with_kernel, without, atol=5e-2, rtol=5e-2)
     f32 = run_paged(loaded, ids, chunks, dtype=torch.float32)
@@ -238,7 +238,9 @@ def test_mixed_step_with_ragged_decodes_agrees_with_the_torch_path(tmp_path):
     from kvfence.engine.plan import Plan, PlanRow
     from kvfence.engine.request import SamplingParams
     from kvfence.ids import LeaseId, PageId, RequestId
-    from kvfence.model.llama import MLP, Attention, LlamaForCausalLM, OutputHead
+    from kvfence.model.kernels import KernelOps
+    from kvfence.model.linears import OutputHead
+    from kvfence.model.llama import MLP, Attention, LlamaForCausalLM
     from kvfence.model.loader import load_model
     from tests.model_factory import write_tiny_hf_dir
 
@@ -264,7 +266,7 @@ def test_mixed_step_with_ragged_decodes_agrees_with_the_torch_path(tmp_path):
     def run(with_kernels: bool) -> dict:
         for m in model.modules():
             if isinstance(m, (Attention, MLP, LlamaForCausalLM, OutputHead)):
-                m.kernels = OPS if with_kernels else None
+                m.kernels = KernelOps(OPS) if with_kernels else None
         runner = ModelRunner(model, num_pages=16, page_size=4, dtype=torch.bfloat16, device="cpu")
         runner.run(Plan((row(b, prompt[b], 0), row(c, prompt[c], 0)), 1))
         result = runner.run(Plan((row(a, prompt[a], 0), row(b, nxt[b], 9), row(c, nxt[c], 14)), 2))
@@ -314,7 +316,7 @@ def test_write_kv_matches_the_torch_write_and_refuses_slots_outside_the_pool():
     """K and V as the fused projection leaves them (rows strided by the whole QKV width) land in the same slots,
     bit for bit, as PagedKV.write puts them; a slot past the pool raises before anything is written."""
     from kvfence.model.config import ModelConfig
-    from kvfence.model.llama import PagedKV
+    from kvfence.model.paged_kv import PagedKV
 
     cfg = ModelConfig(architecture="llama", vocab_size=64, hidden_size=96, intermediate_size=128, num_layers=2,
                       num_heads=3, num_kv_heads=1, head_dim=32, rope_theta=1e4, rms_norm_eps=1e-5,

@@ -25,8 +25,9 @@ import pytest
 import torch
 
 from kvfence.model.isa import reachable_caps
-from kvfence.model.quality import PATHS, switches
+from kvfence.model.quality import PATHS
 from tests.conftest import require_default_model
+from tests.kernel_ops import kernel_options
 
 KL_MEAN_MAX = 0.004
 TOP1_MIN = 0.90
@@ -87,8 +88,8 @@ def test_logits_are_float32_on_every_path(tmp_path, path):
     ids = torch.randint(
         0, loaded.config.vocab_size, (20,), generator=torch.Generator().manual_seed(3)
     ).tolist()
-    with switches(PATHS[path].env):
-        logits = run_paged(loaded, ids, [12, 1, 1, 1, 1, 1, 1, 1, 1], dtype=torch.bfloat16)
+    options = PATHS[path].options(kernel_options())
+    logits = run_paged(loaded, ids, [12, 1, 1, 1, 1, 1, 1, 1, 1], dtype=torch.bfloat16, kernels=options)
     assert logits.dtype == torch.float32 and torch.isfinite(logits).all()
     rounded = logits.bfloat16().float() == logits
     assert rounded.float().mean() < 0.1, (

@@ -9,9 +9,11 @@ import numpy as np
 import pytest
 import torch
 
+from kvfence.config import KernelOptions
 from kvfence.model import kernels
-from kvfence.model.loader import QuantBlocks, QuantPanels, load_model
-from tests.kernel_ops import kernel_ops
+from kvfence.model.loader import load_model
+from kvfence.model.quant import QuantBlocks, QuantPanels
+from tests.kernel_ops import kernel_ops, kernel_options
 from tests.model_factory import write_tiny_gguf
 
 OPS = kernel_ops()  # skips the module without the kernels, fails instead under `make test`
@@ -83,39 +85,36 @@ def test_loader_keeps_the_blocks_of_exactly_the_weights_it_dequantizes(tmp_path)
     assert load_model(f16, dtype=torch.bfloat16).quantized == {}
 
 
-def tiny_quantized_model(tmp_path):
+def tiny_quantized_model(tmp_path, int8="decode"):
     """A tiny tied GGUF model (Q4_1 layers, Q8_0 embedding and head) loaded in bfloat16 with its blocks attached
-    as KVFENCE_INT8 says: (path, loaded, model)."""
+    as `int8` says (`KernelOptions.int8`): (path, loaded, model)."""
     from kvfence.model.llama import LlamaForCausalLM
 
     path = write_tiny_gguf(
         tmp_path / "m.gguf", qtype="Q4_1", tie=True, seed=5, qtype_overrides={"token_embd.weight": "Q8_0"}
     )
-    loaded = load_model(path, dtype=torch.bfloat16)
-    model = LlamaForCausalLM.from_weights(
-        loaded.config, loaded.weights, torch.bfloat16, "cpu", loaded.quantized
-    )
+    loaded = load_model(path, dtype=torch.bfloat16, kernels=kernel_options(int8=int8))
+    model = LlamaForCausalLM.from_loaded(loaded, torch.bfloat16, "cpu")
     return path, loaded, model
 
 
 @pytest.mark.parametrize("mode", ["0", "decode", "all"])
-def test_bfloat16_model_multiplies_by_the_blocks(tmp_path, monkeypatch, mode):
+def test_bfloat16_model_multiplies_by_the_blocks(tmp_path, mode):
     """The fused projections and the tied head carry the blocks: as the GGUF lays them out for bfloat16
-    activations (`KVFENCE_INT8=0`), or as panels for int8 ones (`decode`, the default: few-row steps only; `all`:
+    activations (int8 "0"), or as panels for int8 ones (`decode`, the default: few-row steps only; `all`:
     every step, and the bfloat16 weight is dropped). Logits stay within bfloat16-class error of the bfloat16 weights'
     and greedy choices agree with float32."""
-    from kvfence.model import llama
-    from kvfence.model.llama import PackedLinear
+    from kvfence.model import linears as linear_layers
+    from kvfence.model.linears import PackedLinear
     from tests.test_forward import run_paged
 
-    monkeypatch.setenv("KVFENCE_INT8", mode)
-    path, loaded, model = tiny_quantized_model(tmp_path)
+    path, loaded, model = tiny_quantized_model(tmp_path, mode)
     linears = {name: m for name, m in model.named_modules() if isinstance(m, PackedLinear)}
     int8 = mode != "0" and OPS.panel_vnni()  # without AVX512-VNNI and BF16 the model takes `quant_linear`
     taken = {n: (m.panels if int8 else m.quant) for n, m in linears.items()}
     assert all(t is not None for t in taken.values()), [n for n, t in taken.items() if t is None]
     head = model.lm_head
-    assert isinstance(head, llama.OutputHead) and "lm_head" not in linears
+    assert isinstance(head, linear_layers.OutputHead) and "lm_head" not in linears
     qkv = linears["model.layers.0.self_attn.qkv_proj"]
     if not int8:
         assert qkv.quant.shape == (qkv.out_features, loaded.config.hidden_size) and qkv.panels is None
@@ -131,11 +130,13 @@ def test_bfloat16_model_multiplies_by_the_blocks(tmp_path, monkeypatch, mode):
     ).tolist()
     chunks = [20, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1]
     blocks = run_paged(loaded, ids, chunks, dtype=torch.bfloat16)
-    monkeypatch.setenv("KVFENCE_QUANT_KERNELS", "0")  # never the blocks: the bfloat16 weights
-    weights = run_paged(loaded, ids, chunks, dtype=torch.bfloat16)
+    # never the blocks: the bfloat16 weights
+    weights = run_paged(
+        loaded, ids, chunks, dtype=torch.bfloat16, kernels=kernel_options(quant_kernels=False)
+    )
     assert not torch.equal(blocks[20:], weights[20:])  # the decode steps really took the blocks
     # the 20-token prefill is longer than FINE_MAX_ROWS: oneDNN's bfloat16 with `decode`, one int8 level with `all`
-    assert llama.FINE_MAX_ROWS < 20
+    assert linear_layers.FINE_MAX_ROWS < 20
     tolerance = 1e-1 if mode == "all" else 5e-2
     torch.testing.assert_close(blocks, weights, atol=tolerance, rtol=tolerance)
     f32 = run_paged(load_model(path), ids, chunks, dtype=torch.float32)
@@ -215,7 +216,7 @@ def test_panel_linear_refuses_bad_shapes_and_reads_strided_rows():
         OPS.panel_linear(x.float(), panels.wp, panels.d, panels.m, panels.kind_id, panels.n, 2)
     # built with -march=native: the vector path exists exactly where the CPU has both instruction sets
     flags = kernels.cpu_flags().split()
-    if kernels.march() == "native":
+    if KernelOptions.from_env().kernels_march == "native":
         assert OPS.panel_vnni() == (b"avx512_vnni" in flags and b"avx512_bf16" in flags)
 
 
@@ -249,7 +250,7 @@ def test_panel_linear_vector_path_equals_the_scalar_one(kind, levels):
 def test_float32_linear_slices_equal_one_float32_matmul():
     """The torch path's head upcasts the weight a slice of rows at a time: every slice boundary (7 rows, and a last
     slice of 3) gives what one float32 matmul of the whole weight gives."""
-    from kvfence.model.llama import float32_linear
+    from kvfence.model.linears import float32_linear
 
     g = torch.Generator().manual_seed(4)
     w, x = torch.randn(45, 64, generator=g).bfloat16(), torch.randn(5, 64, generator=g).bfloat16()
@@ -316,7 +317,7 @@ def test_panel_linear_flushes_tiny_blocks_and_keeps_huge_finite_rows(scalar):
 
 
 class RecordingOps:
-    """The kernels, with every panel_linear call recorded as (rows, levels)."""
+    """The kernels' wrappers, with every panel_linear call recorded as (rows, levels)."""
 
     def __init__(self, ops):
         self.ops, self.calls = ops, []
@@ -324,25 +325,24 @@ class RecordingOps:
     def __getattr__(self, name):
         return getattr(self.ops, name)
 
-    def panel_linear(self, x, wp, d, m, kind, n, levels):
+    def panel_linear(self, x, panels, levels):
         self.calls.append((x.shape[0], levels))
-        return self.ops.panel_linear(x, wp, d, m, kind, n, levels)
+        return self.ops.panel_linear(x, panels, levels)
 
-    def panel_linear_f32(self, x, wp, d, m, kind, n, levels):
+    def panel_linear_f32(self, x, panels, levels):
         self.calls.append((x.shape[0], levels, "f32"))
-        return self.ops.panel_linear_f32(x, wp, d, m, kind, n, levels)
+        return self.ops.panel_linear_f32(x, panels, levels)
 
 
 @pytest.mark.parametrize("mode", ["decode", "all"])
-def test_each_step_size_takes_its_path(tmp_path, monkeypatch, mode):
+def test_each_step_size_takes_its_path(tmp_path, mode):
     """Up to FINE_MAX_ROWS rows: two int8 levels. Beyond: oneDNN on the bfloat16 weight (`decode`) or one level
     (`all`); the output head, whose bfloat16 weight is gone in both, one level, with float32 logits. Without
     AVX512-VNNI and BF16 no step takes panels: the layers keep their blocks for `quant_linear`, and the head its
     bfloat16 weight for `linear_f32`."""
-    from kvfence.model.llama import FINE_MAX_ROWS
+    from kvfence.model.linears import FINE_MAX_ROWS
 
-    monkeypatch.setenv("KVFENCE_INT8", mode)
-    _, loaded, model = tiny_quantized_model(tmp_path)
+    _, loaded, model = tiny_quantized_model(tmp_path, mode)
     layer, head = model.model.layers[0].mlp.gate_up_proj, model.lm_head
     if not OPS.panel_vnni():
         assert layer.panels is None and head.panels is None

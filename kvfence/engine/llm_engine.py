@@ -76,8 +76,8 @@ class LLMEngine(PDHandover):
             num_pages, page_size, faults=self.faults, lease_prefix=config.engine.lease_prefix
         )
         if runner is None:
-            model = LlamaForCausalLM.from_weights(
-                loaded.config, loaded.weights, dtype, config.model.device, loaded.quantized
+            model = LlamaForCausalLM.from_weights(  # the tree's compute path, chosen once here
+                loaded.config, loaded.weights, dtype, config.model.device, loaded.quantized, config.kernels
             )
             decode_threads = config.engine.decode_threads
             runner = ModelRunner(

@@ -15,7 +15,8 @@ from kvfence.engine.plan import Plan, PlanRow, StepResult
 from kvfence.faults import Faults
 from kvfence.ids import PageId, RequestId
 from kvfence.model.config import ModelConfig
-from kvfence.model.llama import AttentionMetadata, LlamaForCausalLM, PagedKV, PrefillSeq
+from kvfence.model.llama import AttentionMetadata, LlamaForCausalLM, PrefillSeq
+from kvfence.model.paged_kv import PagedKV
 from kvfence.model.sampler import Sampler
 
 
@@ -38,7 +39,7 @@ class ModelRunner:
         self.page_size = page_size
         self.device = device
         # one page more than the pool: a scratch sink that only the drop_write fault knob ever writes to
-        self.cache = PagedKV(self.config, num_pages + 1, page_size, dtype, device)
+        self.cache = PagedKV(self.config, num_pages + 1, page_size, dtype, device, model.backend.hugepages)
         self._sink_slot = num_pages * page_size
         self.sampler = Sampler(device, seed)
         self.faults = faults or Faults()

@@ -15,8 +15,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
-from kvfence.config import DTYPE_BYTES, Config
+from kvfence.config import Config
 from kvfence.model.config import ModelConfig
+from kvfence.options import DTYPE_BYTES
 
 
 class Verdict(Enum):

@@ -7,15 +7,15 @@ them (`madvise` mode), so these buffers ask: an anonymous private mapping with M
 advice, so that the kernel backs each aligned 2 MiB of it with one page. Measured on this machine
 (docs/performance.md): decode attention over 8 rows, 349 against 450 us per layer with the same kernel.
 
-`KVFENCE_HUGEPAGES=0` turns this off (plain `torch.empty`); so does a platform or kernel without
-MADV_HUGEPAGE. Small buffers are never worth a mapping of their own. The memory counts in RSS like any other.
+Callers pass `huge=False` where the model's `KernelOptions.hugepages` is off (`KVFENCE_HUGEPAGES=0` feeds it):
+plain `torch.empty` then; so does a platform or kernel without MADV_HUGEPAGE. Small buffers are never worth a
+mapping of their own. The memory counts in RSS like any other.
 """
 
 from __future__ import annotations
 
 import math
 import mmap
-import os
 from collections.abc import Sequence
 
 import torch
@@ -25,21 +25,18 @@ MIN_BYTES = 4 * HUGE_PAGE  # below this a buffer gains little and wastes up to a
 ALIGN = 64  # bytes: every tensor placed in an arena starts on a cache line
 
 
-def enabled() -> bool:
-    return os.environ.get("KVFENCE_HUGEPAGES", "1") != "0" and hasattr(mmap, "MADV_HUGEPAGE")
-
-
-def empty(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
-    """An uninitialized CPU tensor; from a huge-page mapping when it is big enough and huge pages are on. Its
-    memory is not touched yet, so the first write (which should follow soon) decides the page size."""
+def empty(shape: Sequence[int], dtype: torch.dtype, huge: bool = True) -> torch.Tensor:
+    """An uninitialized CPU tensor; from a huge-page mapping when it is big enough, `huge` and the platform has
+    MADV_HUGEPAGE. Its memory is not touched yet, so the first write (which should follow soon) decides the page
+    size."""
     nbytes = math.prod(shape) * dtype.itemsize
-    mapped = _mapping(nbytes) if enabled() and nbytes >= MIN_BYTES else None
+    mapped = _mapping(nbytes) if huge and hasattr(mmap, "MADV_HUGEPAGE") and nbytes >= MIN_BYTES else None
     if mapped is None:
         return torch.empty(*shape, dtype=dtype)
     return mapped.view(dtype).view(*shape)
 
 
-def slots(specs: Sequence[tuple[Sequence[int], torch.dtype]]) -> list[torch.Tensor]:
+def slots(specs: Sequence[tuple[Sequence[int], torch.dtype]], huge: bool = True) -> list[torch.Tensor]:
     """Uninitialized tensors of the given shapes and dtypes, laid out one after another (64-byte aligned) in one
     buffer that `empty` allocates, so that many mid-sized weights share huge pages. Filling them one at a time
     keeps a single source alive at once."""
@@ -47,16 +44,16 @@ def slots(specs: Sequence[tuple[Sequence[int], torch.dtype]]) -> list[torch.Tens
     for shape, dtype in specs:
         offsets.append(total)
         total += -(-math.prod(shape) * dtype.itemsize // ALIGN) * ALIGN
-    arena = empty((total,), torch.uint8)
+    arena = empty((total,), torch.uint8, huge)
     return [
         arena[offset : offset + math.prod(shape) * dtype.itemsize].view(dtype).view(*shape)
         for (shape, dtype), offset in zip(specs, offsets, strict=True)
     ]
 
 
-def pack(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+def pack(tensors: Sequence[torch.Tensor], huge: bool = True) -> list[torch.Tensor]:
     """Copies of contiguous CPU `tensors` in one buffer (`slots`). Returns them in order."""
-    placed = slots([(t.shape, t.dtype) for t in tensors])
+    placed = slots([(t.shape, t.dtype) for t in tensors], huge)
     for slot, t in zip(placed, tensors, strict=True):
         slot.copy_(t)
     return placed

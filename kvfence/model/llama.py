@@ -12,30 +12,42 @@ once per step and applied to Q and K together; K and V go into the cache in one 
 decodes attends over all block tables at once with one gather per layer; a first prefill chunk attends over its
 freshly computed K/V instead of reading them back from its pages.
 
+Compute path: chosen once, when the model is built (`from_weights`), from its `KernelOptions`: the C++ kernels'
+wrappers (`KernelOps`, kvfence/model/kernels) or plain torch, which compute the same thing; the choice is kept
+as `model.backend` and each layer holds its `kernels` (None: torch). The linear layers and the float32 output
+head are in kvfence/model/linears.py, the KV pool's tensors in kvfence/model/paged_kv.py.
+
 Shapes: T = tokens in the step, D = hidden size, H = query heads, Hkv = KV heads, Dh = head dim,
 P = pages in the pool, S = page size (tokens per page).
 """
 
 from __future__ import annotations
 
-import functools
-import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
-from types import ModuleType
-from typing import NamedTuple, TypeVar
+from typing import TYPE_CHECKING, NamedTuple
 
-import numpy as np
 import torch
 import torch.nn.functional as F
-import xxhash
 from torch import Tensor, nn
 
-from kvfence.model import hugepages, kernels
+from kvfence.config import KernelOptions
 from kvfence.model.config import ModelConfig
-from kvfence.model.loader import QuantBlocks, QuantPanels
+from kvfence.model.kernels import Backend, KernelOps
+from kvfence.model.kernels import configure as configure_kernels
+from kvfence.model.linears import (
+    OutputHead,
+    PackedLinear,
+    attach_quantized,
+    fuse_projections,
+    fuse_quantized,
+    pack_linears,
+)
+from kvfence.model.paged_kv import PagedKV
+from kvfence.model.quant import QuantBlocks
 
-T = TypeVar("T")
+if TYPE_CHECKING:
+    from kvfence.model.loader import LoadedModel
 
 
 @dataclass
@@ -65,75 +77,6 @@ class StepTensors(NamedTuple):
     decode_hide: (
         Tensor | None
     )  # torch path: [B, 1, 1, max_pages * S] bool, True past each decode row's context
-
-
-class PagedKV:
-    """The KV pool's tensors: per layer, K and V for every slot of every page."""
-
-    def __init__(
-        self, cfg: ModelConfig, num_pages: int, page_size: int, dtype: torch.dtype, device: str
-    ) -> None:
-        self.page_size = page_size
-        # kv: [L, 2, P, S, Hkv, Dh]; on CPU on huge pages (a decode step reads it at scattered pages)
-        shape = (cfg.num_layers, 2, num_pages, page_size, cfg.num_kv_heads, cfg.head_dim)
-        if torch.device(device).type == "cpu":
-            self.kv = hugepages.empty(shape, dtype)
-        else:
-            self.kv = torch.empty(shape, dtype=dtype, device=device)
-        # touch it all now so the pool exists for real before serving starts (fails at startup rather than
-        # mid-request if the memory is not there, and keeps step latency steady)
-        self.kv.fill_(0)
-
-    def write(self, layer: int, slots: Tensor, k: Tensor, v: Tensor) -> None:
-        # k, v: [T, Hkv, Dh]; slots: [T]
-        flat = self.kv[layer].view(2, -1, *self.kv.shape[-2:])  # [2, P*S, Hkv, Dh]
-        flat.index_copy_(1, slots, torch.stack((k, v)))
-
-    def page_bytes(self) -> int:
-        """Bytes of one page across all layers, K and V: the payload of one transfer frame."""
-        return self.kv[:, :, 0].numel() * self.kv.element_size()
-
-    def read_page(self, page: int) -> bytes:
-        """One page's K/V for all layers as bytes, layout [L, 2, S, Hkv, Dh] (independent of placement)."""
-        return self._page_block(page).tobytes()
-
-    def page_digest(self, page: int) -> int:
-        """xxh3-64 of `read_page(page)`: the page's K/V for all layers, layout [L, 2, S, Hkv, Dh]."""
-        return xxhash.xxh3_64_intdigest(self._page_block(page).data)
-
-    def _page_block(self, page: int) -> np.ndarray:
-        """The page as one contiguous uint8 array. On CPU the strided copy goes through numpy, single-threaded:
-        torch's parallel copy of 60 small blocks costs ten times more on a busy machine (about 0.1 ms against
-        1-8 ms for a 737 KB page here)."""
-        if self.kv.device.type == "cpu":
-            raw = self.kv.view(torch.uint8).numpy()  # [L, 2, P, S, Hkv, Dh * itemsize], a view
-            return np.ascontiguousarray(raw[:, :, page])
-        return self.kv[:, :, page].contiguous().view(torch.uint8).cpu().numpy()
-
-    def write_page(self, page: int, payload: bytes) -> None:
-        """Inverse of read_page: the receiving side of a transfer frame."""
-        if self.kv.device.type == "cpu":
-            raw = self.kv.view(torch.uint8).numpy()
-            raw[:, :, page] = np.frombuffer(payload, dtype=np.uint8).reshape(raw[:, :, page].shape)
-            return
-        block = torch.frombuffer(bytearray(payload), dtype=torch.uint8).view(self.kv.dtype)
-        self.kv[:, :, page] = block.view(self.kv[:, :, page].shape).to(self.kv.device)
-
-    def gather(self, layer: int, pages: Tensor) -> tuple[Tensor, Tensor]:
-        """K and V for the pages of a block table: pages [..., n] -> [..., n * S, Hkv, Dh]."""
-        # index_select over [P, S*Hkv*Dh] rows copies whole pages; several times faster than advanced indexing
-        num_pages = self.kv.shape[2]
-        idx = pages.reshape(-1)
-        k = self.kv[layer, 0].view(num_pages, -1).index_select(0, idx)
-        v = self.kv[layer, 1].view(num_pages, -1).index_select(0, idx)
-        shape = (*pages.shape[:-1], pages.shape[-1] * self.page_size, *self.kv.shape[-2:])
-        return k.view(shape), v.view(shape)
-
-    def gather_kv(self, layer: int, pages: Tensor) -> Tensor:
-        """K and V together in one copy: pages [B, n] -> [2, B, n * S, Hkv, Dh]."""
-        num_pages = self.kv.shape[2]
-        kv = self.kv[layer].view(2, num_pages, -1).index_select(1, pages.reshape(-1))
-        return kv.view(2, *pages.shape[:-1], pages.shape[-1] * self.page_size, *self.kv.shape[-2:])
 
 
 class Linear(nn.Linear):
@@ -206,7 +149,7 @@ class Attention(nn.Module):
         self.qkv_proj = Linear(d, (cfg.num_heads + 2 * cfg.num_kv_heads) * dh, bias=cfg.attention_bias)
         self.o_proj = Linear(cfg.num_heads * dh, d, bias=False)
         self.scale = dh**-0.5
-        self.kernels: ModuleType | None = None  # C++ kernels (kvfence/model/kernels), set at load
+        self.kernels: KernelOps | None = None  # the backend's C++ kernels, set at load
 
     def forward(self, x: Tensor, meta: AttentionMetadata, cache: PagedKV, step: StepTensors) -> Tensor:
         t, h, hkv, dh = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
@@ -292,7 +235,7 @@ class MLP(nn.Module):
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
-        self.kernels: ModuleType | None = None  # C++ kernels (kvfence/model/kernels), set at load
+        self.kernels: KernelOps | None = None  # the backend's C++ kernels, set at load
 
     def forward(self, x: Tensor) -> Tensor:
         gate_up = self.gate_up_proj(x)  # [T, 2 I]: [gate | up]
@@ -318,7 +261,7 @@ class DecoderLayer(nn.Module):
         return y
 
     def forward_fused(
-        self, ops: ModuleType, x: Tensor, delta: Tensor | None, meta: AttentionMetadata, cache: PagedKV,
+        self, ops: KernelOps, x: Tensor, delta: Tensor | None, meta: AttentionMetadata, cache: PagedKV,
         step: StepTensors,
     ) -> Tensor:  # fmt: skip
         """The same layer with the C++ kernels: the residual stream `x` is updated in place, each add fused with
@@ -350,7 +293,8 @@ class LlamaForCausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rotary: Rotary | None = None  # built on the target device by from_weights
-        self.kernels: ModuleType | None = None  # C++ kernels (kvfence/model/kernels), set at load
+        self.backend = Backend()  # the compute path, chosen once by from_weights
+        self.kernels: KernelOps | None = None  # the backend's C++ kernels, set at load
 
     @torch.inference_mode()
     def forward(self, token_ids: Tensor, meta: AttentionMetadata, cache: PagedKV) -> Tensor:
@@ -388,9 +332,13 @@ class LlamaForCausalLM(nn.Module):
         dtype: torch.dtype,
         device: str,
         quantized: Mapping[str, QuantBlocks] | None = None,
+        kernels: KernelOptions | None = None,
     ) -> LlamaForCausalLM:
         """`quantized`: the loader's Q4_1/Q8_0 blocks of some linear weights; with the C++ kernels, a step of
-        few rows multiplies by those blocks instead of the bfloat16 weights (`PackedLinear`)."""
+        few rows multiplies by those blocks instead of the bfloat16 weights (`PackedLinear`). `kernels`: the
+        compute path (None: `KernelOptions.from_env()`), decided here once (`kernels.configure`) and kept as
+        `model.backend`; its layers never look again."""
+        options = KernelOptions.from_env() if kernels is None else kernels
         with torch.device("meta"):
             model = cls(cfg)
         weights = fuse_projections(weights, cfg.num_layers)
@@ -417,237 +365,19 @@ class LlamaForCausalLM(nn.Module):
         model.rotary = Rotary(cfg.head_dim, cfg.context_length, cfg.rope_theta, device)
         if PackedLinear.supported(dtype, device):
             pack_linears(model)
-        if dtype == torch.bfloat16 and torch.device(device).type == "cpu" and kernels.supports(cfg.head_dim):
-            ops = kernels.ops()  # None when switched off or not buildable: the torch path then
+        # no kernels when switched off, not bfloat16 on the CPU, or not buildable: the torch path then
+        model.backend = backend = configure_kernels(options, dtype, device, cfg.head_dim)
+        if backend.ops is not None:
             for module in model.modules():
                 if isinstance(module, (LlamaForCausalLM, Attention, MLP, OutputHead)):
-                    module.kernels = ops
-            if ops is not None and quantized and kernels.quant_enabled():
-                attach_quantized(model, fuse_quantized(quantized, cfg), ops)
+                    module.kernels = backend.ops
+            if quantized and backend.takes_blocks:
+                attach_quantized(model, fuse_quantized(quantized, cfg), backend)
         return model
 
-
-# Rows up to which `panel_linear` quantizes activations in two int8 levels, finer than bfloat16: a step of so few
-# rows is bound by reading the weights, so the second level's multiplies are about free. Longer steps take oneDNN
-# on the bfloat16 weights, or with `KVFENCE_INT8=all` one int8 level (llama.cpp's precision, faster, coarser).
-FINE_MAX_ROWS = 8
-
-
-class PackedLinear(nn.Module):
-    """A bfloat16 CPU linear layer whose weight oneDNN reordered once, at load, into its blocked layout. Same
-    results as `F.linear` (bit for bit in our tests), which reorders the weight on every call: 1.7-1.9x faster
-    for the few rows of a decode step, the same for a long prefill (docs/performance.md).
-
-    When the GGUF stored this weight as Q4_1 or Q8_0 blocks and the C++ kernels run, steps of few rows multiply
-    by those blocks instead (`attach_quantized`), reading a third of the bytes (Q4_1). By default `panels` holds
-    them repacked for `panel_linear`, which quantizes the activations to int8 per block of 32 (AVX512-VNNI and
-    BF16): two levels up to `FINE_MAX_ROWS` rows; with `KVFENCE_INT8=all` one level for longer steps too, and the
-    bfloat16 weight is dropped. With `KVFENCE_INT8=0`, `quant` holds them as the GGUF stores them and steps of
-    at most `QUANT_MAX_ROWS` rows multiply by them with bfloat16 activations. (The output head is an
-    `OutputHead`: float32 logits.)"""
-
-    packed_weight: Tensor  # empty once every step takes the panels
-    quant: QuantBlocks | None = None
-    panels: QuantPanels | None = None
-    panel_max_rows = FINE_MAX_ROWS  # steps of more rows take the bfloat16 weight ...
-    fine_max_rows = FINE_MAX_ROWS  # ... and steps of more rows than this one int8 level
-    kernels: ModuleType | None = None
-
-    def __init__(self, linear: nn.Linear) -> None:
-        super().__init__()
-        with torch.no_grad():
-            packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), DECODE_ROWS_HINT)
-        self.register_buffer("packed_weight", packed, persistent=False)
-        self.out_features, self.in_features = linear.weight.shape
-        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach(), requires_grad=False)
-
-    @staticmethod
-    def supported(dtype: torch.dtype, device: str) -> bool:
-        return dtype == torch.bfloat16 and torch.device(device).type == "cpu" and onednn_bf16_packing()
-
-    def forward(self, x: Tensor) -> Tensor:
-        p = self.panels
-        if p is not None and self.kernels is not None:
-            rows = x.reshape(-1, self.in_features)
-            if rows.shape[0] <= self.panel_max_rows:
-                levels = 2 if rows.shape[0] <= self.fine_max_rows else 1
-                out: Tensor = self.kernels.panel_linear(rows, p.wp, p.d, p.m, p.kind_id, p.n, levels)
-                return out.view(*x.shape[:-1], p.n)
-        q = self.quant
-        if (
-            q is not None
-            and self.kernels is not None
-            and x.dim() == 2
-            and x.shape[0] <= QUANT_MAX_ROWS[q.kind]
-        ):
-            y: Tensor = self.kernels.quant_linear(x, q.qs, q.d, q.m, q.kind_id)
-        else:
-            y = torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
-        return y
-
-
-@functools.cache
-def onednn_bf16_packing() -> bool:
-    """Whether oneDNN reorders bfloat16 weights here: it needs AVX512-BW/VL/DQ or AVX-NE-CONVERT, and refuses
-    otherwise, also when `ONEDNN_MAX_CPU_ISA` caps it below them. Without it the linear layers stay plain
-    `nn.Linear` (torch's own bfloat16 matmul, slower) and do not take the GGUF's blocks."""
-    if not torch.backends.mkldnn.is_available() or not hasattr(torch.ops.mkldnn, "_reorder_linear_weight"):  # type: ignore[no-untyped-call]
-        return False
-    try:
-        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 32, dtype=torch.bfloat16), DECODE_ROWS_HINT)
-    except RuntimeError:
-        return False
-    return True
-
-
-DECODE_ROWS_HINT = 8  # oneDNN picks the packed layout for this many rows; any row count works
-# rows up to which the quantized-block kernels beat oneDNN on bfloat16 weights (docs/performance.md)
-QUANT_MAX_ROWS = {"Q4_1": 6, "Q8_0": 2}
-
-
-class OutputHead(nn.Module):
-    """The output head: hidden states [N, D] -> float32 logits [N, V], in every dtype and on every path.
-
-    Logits are never rounded to bfloat16 (issue 20, docs/quality.md): at a logit of 25 one bfloat16 step is 0.125,
-    so two tokens 0.08 apart in float32 became an exact tie, greedy took the lower token id, and the same prompt
-    answered differently on two CPUs. The sums of every path below stay float32:
-      - `panels` (the GGUF's Q4_1/Q8_0 blocks, with AVX512-VNNI): `panel_linear_f32`, int8 activations in two
-        levels up to FINE_MAX_ROWS rows and one beyond, for every step; the bfloat16 weight is then dropped;
-      - the C++ kernels otherwise: `linear_f32` on the bfloat16 weight (exact products, float32 sums);
-      - the torch path: float32 matmuls over slices of the bfloat16 weight, upcast one slice at a time.
-    A tied head holds the embedding's tensor itself: no second copy."""
-
-    panels: QuantPanels | None = None
-    fine_max_rows = FINE_MAX_ROWS
-    kernels: ModuleType | None = None
-    SLICE_ROWS = 1024  # vocabulary rows upcast at a time on the torch path (2.3 MB of float32 at D = 576)
-
-    def __init__(self, linear: nn.Linear) -> None:
-        super().__init__()
-        self.weight = linear.weight
-        self.bias = linear.bias
-        self.out_features, self.in_features = linear.weight.shape
-
-    def drop_weight(self) -> None:
-        """Every step takes the panels: the bfloat16 weight goes (a tied embedding keeps its own reference)."""
-        self.weight = nn.Parameter(torch.empty(0, dtype=self.weight.dtype), requires_grad=False)
-
-    def forward(self, x: Tensor) -> Tensor:
-        rows = x.reshape(-1, self.in_features)
-        p, ops = self.panels, self.kernels
-        if p is not None and ops is not None:
-            levels = 2 if rows.shape[0] <= self.fine_max_rows else 1
-            out: Tensor = ops.panel_linear_f32(rows, p.wp, p.d, p.m, p.kind_id, p.n, levels)
-        elif ops is not None and self.in_features % 32 == 0:
-            out = ops.linear_f32(rows, self.weight)
-        else:
-            out = float32_linear(rows, self.weight, self.SLICE_ROWS)
-        if self.bias is not None:
-            out = out + self.bias.float()
-        return out.view(*x.shape[:-1], self.out_features)
-
-
-def float32_linear(x: Tensor, weight: Tensor, slice_rows: int) -> Tensor:
-    """x @ weight^T in float32 whatever their dtype. A lower-precision weight is upcast `slice_rows` output rows at a
-    time (never a float32 copy of the whole matrix, which is 2 GB for a head of 128k x 4096)."""
-    xf = x.float()
-    if weight.dtype == torch.float32:
-        return F.linear(xf, weight)
-    out = torch.empty(x.shape[0], weight.shape[0], dtype=torch.float32, device=x.device)
-    for start in range(0, weight.shape[0], slice_rows):
-        part = weight.detach()[start : start + slice_rows]
-        torch.matmul(xf, part.float().t(), out=out[:, start : start + part.shape[0]])
-    return out
-
-
-def fuse_quantized(quantized: Mapping[str, QuantBlocks], cfg: ModelConfig) -> dict[str, QuantBlocks]:
-    """The blocks under this model's parameter names: q/k/v and gate/up concatenated like `fuse_projections`
-    (a group whose parts differ in kind is dropped, and those layers keep the bfloat16 weights); a tied head
-    takes the embedding's blocks."""
-    fused = _fuse(quantized, cfg.num_layers, QuantBlocks.cat)
-    if cfg.tie_word_embeddings and "model.embed_tokens.weight" in fused:
-        fused["lm_head.weight"] = fused["model.embed_tokens.weight"]
-    return fused
-
-
-def attach_quantized(model: nn.Module, quantized: Mapping[str, QuantBlocks], ops: ModuleType) -> None:
-    """Give each bias-free PackedLinear its weight's blocks, when they have its shape: as panels for int8
-    activations (the default where the CPU has AVX512-VNNI and AVX512-BF16; the output head, which sees one row
-    per sequence, takes them for every step and drops its bfloat16 copy, as every layer does with
-    `KVFENCE_INT8=all`), or as the GGUF lays them out for bfloat16 activations (`KVFENCE_INT8=0`, or a CPU
-    without those instructions; the output head then keeps its bfloat16 weight for `linear_f32`). Every decode
-    step streams all of them, so they move into one buffer on huge pages (`hugepages.pack`)."""
-    takers: list[tuple[PackedLinear | OutputHead, QuantBlocks]] = []
-    panels = kernels.int8_enabled() and ops.panel_vnni()
-    for name, module in model.named_modules():
-        blocks = quantized.get(name + ".weight")
-        if (
-            (isinstance(module, PackedLinear) or (panels and isinstance(module, OutputHead)))
-            and blocks is not None
-            and module.bias is None
-            and blocks.shape == (module.out_features, module.in_features)
-        ):
-            takers.append((module, blocks))
-    if panels:
-        # one layer repacked at a time, straight into its place: the panels of all layers never exist twice
-        placed = iter(hugepages.slots([spec for _, blocks in takers for spec in blocks.panel_shapes()]))
-        for module, blocks in takers:
-            p = blocks.panels()
-            wp, d, m = next(placed), next(placed), next(placed)
-            wp.copy_(p.wp)
-            d.copy_(p.d)
-            m.copy_(p.m)
-            module.panels = QuantPanels(p.kind, p.n, wp, d, m)
-            module.kernels = ops
-            # The head sees only sampled rows (one per sequence): every step takes its panels, in one level beyond
-            # FINE_MAX_ROWS, where two levels are slower than oneDNN was (docs/performance.md, session 10).
-            if isinstance(module, OutputHead):
-                module.drop_weight()
-            elif kernels.int8_prefill():  # the bfloat16 weight goes
-                module.panel_max_rows = sys.maxsize
-                module.packed_weight = torch.empty(0, dtype=module.packed_weight.dtype)
-        return
-    placed = iter(hugepages.pack([t for _, b in takers for t in (b.qs, b.d, b.m)]))
-    for module, blocks in takers:
-        assert isinstance(module, PackedLinear)  # the head takes blocks only as panels
-        module.quant = QuantBlocks(blocks.kind, next(placed), next(placed), next(placed))
-        module.kernels = ops
-
-
-def pack_linears(model: nn.Module) -> None:
-    """Replace every nn.Linear by a PackedLinear (the output head is an `OutputHead`, whose logits stay float32)."""
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if isinstance(child, nn.Linear):
-                setattr(parent, name, PackedLinear(child))
-
-
-FUSED = (  # fused parameter <- the Hugging Face parameters it concatenates, in row order
-    (
-        "self_attn.qkv_proj.weight",
-        ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
-    ),
-    ("self_attn.qkv_proj.bias", ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias")),
-    ("mlp.gate_up_proj.weight", ("mlp.gate_proj.weight", "mlp.up_proj.weight")),
-)
-
-
-def fuse_projections(weights: dict[str, Tensor], num_layers: int) -> dict[str, Tensor]:
-    """A copy of `weights` (HF names) where each layer's q/k/v and gate/up projections are concatenated into the
-    fused parameters this model uses. A group that is absent (no attention bias) is skipped; a partial group is
-    left alone so that the missing-weights check names what is missing."""
-    return _fuse(weights, num_layers, torch.cat)
-
-
-def _fuse(items: Mapping[str, T], num_layers: int, cat: Callable[[list[T]], T | None]) -> dict[str, T]:
-    """Each layer's complete FUSED groups concatenated by `cat` in row order (None from `cat`: dropped)."""
-    fused = dict(items)
-    for i in range(num_layers):
-        prefix = f"model.layers.{i}."
-        for target, parts in FUSED:
-            names = [prefix + p for p in parts]
-            if all(n in fused for n in names):
-                joined = cat([fused.pop(n) for n in names])
-                if joined is not None:
-                    fused[prefix + target] = joined
-    return fused
+    @classmethod
+    def from_loaded(cls, loaded: LoadedModel, dtype: torch.dtype, device: str) -> LlamaForCausalLM:
+        """The model of a `LoadedModel`, on the compute path it was loaded with (`load_model(..., kernels=)`)."""
+        return cls.from_weights(
+            loaded.config, loaded.weights, dtype, device, loaded.quantized, loaded.kernels
+        )

@@ -16,95 +16,91 @@ ways:
   - "prefill": the chunk in two prefill chunks of ctx/2 tokens, as a server's chunked prefill runs a prompt; the
     scored logits all come from the second chunk, which attends over the first one's pages.
 
-A path is a dtype plus the environment switches that pick kernels at load (`PATHS`); the model is built under
-them, so it is the server's own forward pass, not a reimplementation.
+A path is a dtype plus the kernel switches (`KernelOptions` fields) that pick the compute path at load (`PATHS`);
+the model is built with them, so it is the server's own forward pass, not a reimplementation.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
 from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 
+from kvfence.config import KernelOptions
 from kvfence.model import kernels
-from kvfence.model.llama import AttentionMetadata, LlamaForCausalLM, PagedKV, PrefillSeq, onednn_bf16_packing
+from kvfence.model.linears import onednn_bf16_packing
+from kvfence.model.llama import AttentionMetadata, LlamaForCausalLM, PrefillSeq
 from kvfence.model.loader import LoadedModel, load_model
+from kvfence.model.paged_kv import PagedKV
 
 
 @dataclass(frozen=True, slots=True)
 class ComputePath:
     name: str
     dtype: torch.dtype
-    env: Mapping[str, str]  # switches read when the model is built (kvfence/model/kernels)
+    switches: Mapping[str, Any]  # the `KernelOptions` fields this path sets (the other switches: defaults)
     what: str
 
+    def options(self, base: KernelOptions) -> KernelOptions:
+        """`base` (its build target and huge pages) with the kernel switches at their defaults, then this path's."""
+        default = KernelOptions()
+        switched = {name: getattr(default, name) for name in SWITCHES} | dict(self.switches)
+        return dataclasses.replace(base, **switched)
 
+
+SWITCHES = ("kernels", "quant_kernels", "int8")
 PATHS: dict[str, ComputePath] = {
     p.name: p
     for p in (
         ComputePath("float32", torch.float32, {}, "float32 weights and activations (the reference)"),
         ComputePath(
-            "bf16-torch", torch.bfloat16, {"KVFENCE_KERNELS": "0"}, "bfloat16, plain torch (oneDNN matmuls)"
+            "bf16-torch", torch.bfloat16, {"kernels": False}, "bfloat16, plain torch (oneDNN matmuls)"
         ),
         ComputePath(
             "bf16-kernels",
             torch.bfloat16,
-            {"KVFENCE_QUANT_KERNELS": "0"},
+            {"quant_kernels": False},
             "bfloat16 weights, C++ attention and small operators",
         ),
         ComputePath(
             "q-bf16act",
             torch.bfloat16,
-            {"KVFENCE_INT8": "0"},
+            {"int8": "0"},
             "C++ kernels; few-row steps on the GGUF's blocks with bfloat16 activations",
         ),
         ComputePath(
             "default",
             torch.bfloat16,
-            {"KVFENCE_INT8": "decode"},
+            {"int8": "decode"},
             "the server's default: few-row steps on the GGUF's blocks with int8 activations (two levels)",
         ),
         ComputePath(
             "int8-all",
             torch.bfloat16,
-            {"KVFENCE_INT8": "all"},
+            {"int8": "all"},
             "KVFENCE_INT8=all: every step on the blocks, one int8 level beyond 8 rows",
         ),
     )
 }
-SWITCHES = ("KVFENCE_KERNELS", "KVFENCE_QUANT_KERNELS", "KVFENCE_INT8")
 MODES = ("decode", "prefill")
 
 
-@contextmanager
-def switches(env: Mapping[str, str]) -> Iterator[None]:
-    """The kernel switches set to `env` (the others unset) while a model is built; restored after."""
-    saved = {k: os.environ.get(k) for k in SWITCHES}
-    try:
-        for k in SWITCHES:
-            os.environ.pop(k, None)
-        os.environ.update(env)
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
-def build(path: ComputePath, loaded: Mapping[torch.dtype, LoadedModel]) -> LlamaForCausalLM:
+def build(
+    path: ComputePath, loaded: Mapping[torch.dtype, LoadedModel], base: KernelOptions | None = None
+) -> LlamaForCausalLM:
+    """The model of `path`; `base`: the options its switches change (None: `KernelOptions.from_env()`)."""
     m = loaded[path.dtype]
-    with switches(path.env):
-        return LlamaForCausalLM.from_weights(m.config, m.weights, path.dtype, "cpu", m.quantized)
+    options = path.options(KernelOptions.from_env() if base is None else base)
+    return LlamaForCausalLM.from_weights(m.config, m.weights, path.dtype, "cpu", m.quantized, options)
 
 
 def chunks_of(ids: Sequence[int], ctx: int, limit: int | None = None) -> list[list[int]]:
@@ -329,11 +325,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     loaded = {dt: load_model(args.model, dtype=dt) for dt in dtypes}
     text = Path(args.text).read_text(encoding="utf-8")
     ids = loaded[torch.float32].tokenizer.encode(text)
+    options = (
+        KernelOptions.from_env()
+    )  # the build target (KVFENCE_KERNELS_MARCH, as bench/quality.py sets it)
     result = {
         "isa_cap": os.environ.get("ONEDNN_MAX_CPU_ISA", "default"),
-        "kernels_march": kernels.march(),
-        "kernels": (ops := kernels.ops()) is not None,
-        "panel_vnni": bool(ops is not None and ops.panel_vnni()),
+        "kernels_march": options.kernels_march,
+        "kernels": (ops := kernels.ops(options)) is not None,
+        "panel_vnni": ops is not None and ops.panel_vnni,
         "onednn_bf16_packing": onednn_bf16_packing(),
         "tokens": len(ids),
         "ctx": args.ctx,

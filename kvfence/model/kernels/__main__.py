@@ -1,11 +1,16 @@
-"""`python -m kvfence.model.kernels`: build the C++ kernels now (exit 1 if they are on but cannot be built)."""
+"""`python -m kvfence.model.kernels`: build the C++ kernels now for the target `KernelOptions.from_env()` names
+(exit 1 if they are on but cannot be built)."""
 
 import logging
 import sys
 
-from kvfence.model.kernels import build_dir, enabled, ops
+from kvfence.config import KernelOptions
+from kvfence.model.kernels import build_dir, library
 
 logging.basicConfig(level=logging.INFO)
-built = ops()
-print(f"kernels: {'built in ' + str(build_dir()) if built else 'unavailable (torch path)'}")
-sys.exit(0 if built is not None or not enabled() else 1)
+options = KernelOptions.from_env()
+built = library(options.kernels_march) if options.kernels else None
+print(
+    f"kernels: {'built in ' + str(build_dir(options.kernels_march)) if built else 'unavailable (torch path)'}"
+)
+sys.exit(0 if built is not None or not options.kernels else 1)

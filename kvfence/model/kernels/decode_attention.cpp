@@ -1,0 +1,172 @@
+// ---- decode attention over the KV pages ----
+//
+// paged_decode_attention: one query token per row, attending over the first context_lens[b] tokens of the
+// pages listed in block_tables[b]. It reads K/V in place (no gather, no head-major copy) and keeps scores,
+// softmax and the weighted sum in float32. Only pages of the row's own block table, and only the slots below
+// its context length, are ever read: the same reads as the torch path, without the padding.
+//
+// Work is split over rows; each token's K/V vector is converted from bfloat16 once and used by the G query heads
+// that share it.
+
+#include "cpu_ops.h"
+
+namespace kvfence {
+
+namespace {
+
+#ifdef __AVX512F__
+// acc[g] (64 floats each, g < G <= 4) = sum over t of probs[g * ctx + t] * V_t, V_t the head's row of token t at
+// v_head + offsets[t]. A non-zero `prefetch_row` prefetches that many values of the token AHEAD tokens on (the
+// first KV head's pass fetches whole rows, so the other heads' passes find them in cache).
+inline void weighted_sum_64(float* acc, const float* probs, int64_t ctx, int64_t G, const int64_t* offsets,
+                            const uint16_t* v_head, int64_t prefetch_row) {
+  __m512 a[4][4];
+  for (int g = 0; g < 4; ++g)
+    for (int c = 0; c < 4; ++c) a[g][c] = _mm512_setzero_ps();
+  for (int64_t t = 0; t < ctx; ++t) {
+    if (prefetch_row && t + AHEAD < ctx) prefetch(v_head + offsets[t + AHEAD], prefetch_row * sizeof(uint16_t));
+    const uint16_t* v = v_head + offsets[t];
+    const __m512 v0 = load_bf16x16(v), v1 = load_bf16x16(v + 16), v2 = load_bf16x16(v + 32), v3 = load_bf16x16(v + 48);
+    for (int g = 0; g < 4; ++g) {
+      if (g >= G) break;
+      const __m512 p = _mm512_set1_ps(probs[g * ctx + t]);
+      a[g][0] = _mm512_fmadd_ps(p, v0, a[g][0]);
+      a[g][1] = _mm512_fmadd_ps(p, v1, a[g][1]);
+      a[g][2] = _mm512_fmadd_ps(p, v2, a[g][2]);
+      a[g][3] = _mm512_fmadd_ps(p, v3, a[g][3]);
+    }
+  }
+  for (int64_t g = 0; g < G; ++g)
+    for (int c = 0; c < 4; ++c) _mm512_storeu_ps(acc + g * 64 + c * 16, a[g][c]);
+}
+#endif
+
+#if defined(__AVX512BF16__)
+// scores[h * ctx + t] = scale * (q_h . K_t) for every head and token of one row, 16 tokens at a time: per KV head
+// and query head, 16 accumulators of dpbf16 over Dh (a multiple of 32), summed by sum16. While a block is
+// scored, the next block's K rows are prefetched, and during the last block the first V rows.
+inline void score_blocks(float* scores, int64_t ctx, const int64_t* offsets, const uint16_t* k_base,
+                         const uint16_t* v_base, const uint16_t* qb, int64_t Hkv, int64_t G, int64_t Dh, float scale) {
+  const int64_t row_bytes = Hkv * Dh * static_cast<int64_t>(sizeof(uint16_t));
+  const __m512 vscale = _mm512_set1_ps(scale);
+  for (int64_t t0 = 0; t0 < ctx; t0 += 16) {
+    const int64_t nt = ctx - t0 < 16 ? ctx - t0 : 16;
+    if (t0 + 16 < ctx) {
+      for (int64_t t = t0 + 16; t < t0 + 32 && t < ctx; ++t) prefetch(k_base + offsets[t], row_bytes);
+    } else {
+      for (int64_t t = 0; t < AHEAD && t < ctx; ++t) prefetch(v_base + offsets[t], row_bytes);
+    }
+    const uint16_t* keys[16];
+    for (int64_t j = 0; j < 16; ++j) keys[j] = k_base + offsets[t0 + (j < nt ? j : 0)];  // padding: any real row
+    const __mmask16 keep = static_cast<__mmask16>(nt == 16 ? 0xffff : (1u << nt) - 1);
+    for (int64_t kh = 0; kh < Hkv; ++kh)
+      for (int64_t g = 0; g < G; ++g) {
+        const uint16_t* q = qb + (kh * G + g) * Dh;
+        __m512 acc[16];
+        for (int j = 0; j < 16; ++j) acc[j] = _mm512_setzero_ps();
+        for (int64_t d = 0; d < Dh; d += 32) {
+          const __m512bh qv = (__m512bh)_mm512_loadu_si512(q + d);
+          for (int j = 0; j < 16; ++j)
+            acc[j] = _mm512_dpbf16_ps(acc[j], qv, (__m512bh)_mm512_loadu_si512(keys[j] + kh * Dh + d));
+        }
+        _mm512_mask_storeu_ps(scores + (kh * G + g) * ctx + t0, keep, _mm512_mul_ps(sum16(acc), vscale));
+      }
+  }
+}
+#endif
+
+}  // namespace
+
+void paged_decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor kv, torch::Tensor block_tables,
+                            torch::Tensor context_lens, double scale) {
+  // out, q: [B, H, Dh]; kv: one layer's pool [2, P, S, Hkv, Dh]; block_tables: [B, max_pages] int64;
+  // context_lens: [B] int64 (tokens to attend over, the current one included, already written)
+  TORCH_CHECK(q.device().is_cpu() && kv.device().is_cpu() && out.device().is_cpu() && block_tables.device().is_cpu() &&
+                  context_lens.device().is_cpu(), "CPU tensors only");
+  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && kv.scalar_type() == at::kBFloat16 &&
+                  out.scalar_type() == at::kBFloat16, "bfloat16 only");
+  TORCH_CHECK(block_tables.scalar_type() == at::kLong && context_lens.scalar_type() == at::kLong, "int64 tables");
+  TORCH_CHECK(kv.is_contiguous() && out.is_contiguous() && block_tables.is_contiguous() &&
+                  context_lens.is_contiguous(), "contiguous inputs");
+  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "q: [B, H, Dh] with contiguous heads");
+  TORCH_CHECK(kv.dim() == 5 && kv.size(0) == 2 && kv.size(3) > 0, "kv: [2, P, S, Hkv, Dh]");
+  TORCH_CHECK(block_tables.dim() == 2 && context_lens.dim() == 1 && out.dim() == 3, "table, lengths, out ranks");
+  at::assert_no_overlap(out, q);
+  at::assert_no_overlap(out, kv);
+  const int64_t B = q.size(0), H = q.size(1), Dh = q.size(2);
+  const int64_t P = kv.size(1), S = kv.size(2), Hkv = kv.size(3);
+  TORCH_CHECK(kv.size(4) == Dh && H % Hkv == 0 && Dh % LANES == 0, "head shapes");
+  TORCH_CHECK(out.size(0) == B && out.size(1) == H && out.size(2) == Dh, "out shape");
+  TORCH_CHECK(block_tables.size(0) == B && context_lens.size(0) == B, "one table per row");
+  const int64_t G = H / Hkv, max_pages = block_tables.size(1);
+  const int64_t* tables = block_tables.data_ptr<int64_t>();
+  const int64_t* lens = context_lens.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b) {  // validate every page the rows will read, before reading any
+    TORCH_CHECK(lens[b] >= 1 && lens[b] <= max_pages * S, "context length outside its block table");
+    for (int64_t i = 0; i < (lens[b] + S - 1) / S; ++i) {
+      const int64_t page = tables[b * max_pages + i];
+      TORCH_CHECK(page >= 0 && page < P, "page id outside the pool");
+    }
+  }
+  const uint16_t* k_base = reinterpret_cast<const uint16_t*>(kv.data_ptr());
+  const uint16_t* v_base = k_base + P * S * Hkv * Dh;
+  const uint16_t* q_base = reinterpret_cast<const uint16_t*>(q.data_ptr());
+  uint16_t* out_base = reinterpret_cast<uint16_t*>(out.data_ptr());
+  const int64_t q_row = q.stride(0), q_head = q.stride(1);
+  const float fscale = static_cast<float>(scale);
+
+  // One row at a time, all its heads together. Each token's K (then V) for every KV head is one contiguous run of
+  // Hkv * Dh values. With AVX512-BF16 and Dh a multiple of 32, scores come 16 tokens at a time (sum16) and the
+  // reads of the next 16 tokens are prefetched while these are computed: pages are scattered over a pool much
+  // larger than the caches, and without prefetching a row's reads wait on memory one page at a time (a decode
+  // step of 8 rows spent ~40% of its time here, docs/performance.md).
+  at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(H * Dh), acc(H * Dh), vec(Hkv * Dh), scores, inv_sum(H);
+    std::vector<uint16_t> qb(H * Dh);
+    std::vector<int64_t> offsets;  // each token's offset in K (and V): its slot * Hkv * Dh
+    for (int64_t b = begin; b < end; ++b) {
+      const int64_t ctx = lens[b];
+      for (int64_t h = 0; h < H; ++h) {
+        std::memcpy(&qb[h * Dh], q_base + b * q_row + h * q_head, Dh * sizeof(uint16_t));
+        bf16_to_f32(&qb[h * Dh], &qf[h * Dh], Dh);
+      }
+      scores.resize(H * ctx);
+      offsets.resize(ctx);
+      const int64_t* table = tables + b * max_pages;
+      for (int64_t t = 0, i = 0; t < ctx; ++i)
+        for (int64_t s = 0; s < S && t < ctx; ++s, ++t) offsets[t] = (table[i] * S + s) * Hkv * Dh;
+#if defined(__AVX512BF16__)
+      if (Dh % 32 == 0) {
+        score_blocks(scores.data(), ctx, offsets.data(), k_base, v_base, qb.data(), Hkv, G, Dh, fscale);
+      } else
+#endif
+      for (int64_t t = 0; t < ctx; ++t) {
+        const uint16_t* k = k_base + offsets[t];
+        for (int64_t h = 0; h < H; ++h)
+          scores[h * ctx + t] = dot_bf16(&qb[h * Dh], k + (h / G) * Dh, &qf[h * Dh], vec.data(), Dh) * fscale;
+      }
+      for (int64_t h = 0; h < H; ++h) {
+        float* row = &scores[h * ctx];
+        inv_sum[h] = 1.0f / exp_shifted(row, ctx, max_of(row, ctx));
+      }
+      std::fill(acc.begin(), acc.end(), 0.0f);
+#ifdef __AVX512F__
+      if (Dh == 64 && G <= 4) {  // SmolLM2's shape: one KV head's G accumulators stay in registers
+        for (int64_t kh = 0; kh < Hkv; ++kh)
+          weighted_sum_64(&acc[kh * G * 64], &scores[kh * G * ctx], ctx, G, offsets.data(), v_base + kh * 64,
+                          kh == 0 ? Hkv * 64 : 0);
+      } else
+#endif
+      for (int64_t t = 0; t < ctx; ++t) {
+        bf16_to_f32(v_base + offsets[t], vec.data(), Hkv * Dh);
+        for (int64_t h = 0; h < H; ++h) axpy(&acc[h * Dh], scores[h * ctx + t], &vec[(h / G) * Dh], Dh);
+      }
+      for (int64_t h = 0; h < H; ++h) {
+        for (int64_t d = 0; d < Dh; ++d) acc[h * Dh + d] *= inv_sum[h];
+        f32_to_bf16_n(&acc[h * Dh], out_base + (b * H + h) * Dh, Dh);
+      }
+    }
+  });
+}
+
+}  // namespace kvfence

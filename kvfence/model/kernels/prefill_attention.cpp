@@ -1,0 +1,219 @@
+// ---- prefill attention: causal, over a chunk's own K/V (or the pages read back for a later chunk) ----
+//
+// Query i of a chunk of Lq sees keys 0 .. Lk - Lq + i. Each KV head's K and V are packed once, before any query
+// runs: K in blocks of 16 keys, each 32-bit lane a bfloat16 pair of dims of one key (one dpbf16: 16 keys' partial
+// dots); V in pairs of keys, each lane one dim of two keys (one dpbf16: 16 dims of two keys' weighted sum).
+// Queries go two at a time, so one load of K or V feeds both. Softmax in float32; the probabilities are rounded
+// to bfloat16 for the weighted sum of V (as flash attention does on GPUs), except a key whose pair partner the
+// query does not see, which goes through float32 on its own. Scores are computed in whole blocks of 16 keys,
+// past what a query sees, and thrown away: no unseen key's probability or value enters a query's sum. The
+// work is split in units of one head and two tiles from opposite ends of the chunk, which cost about the same
+// under the causal mask, so two threads get equal shares of 9 heads (docs/performance.md, session 8).
+
+#include "cpu_ops.h"
+
+namespace kvfence {
+
+namespace {
+
+constexpr int64_t KEY_BLOCK = 16;
+
+#if defined(__AVX512BF16__)
+// Scores (times `scale`) of two queries against keys [0, 16 * nblk) of packed K; four blocks per pass.
+inline void score_two(float* s0, float* s1, const uint16_t* q0, const uint16_t* q1, const uint32_t* kp, int64_t D2,
+                      int64_t nblk, float scale) {
+  const __m512 sv = _mm512_set1_ps(scale);
+  int64_t b = 0;
+  for (; b + 4 <= nblk; b += 4) {
+    __m512 a[8];
+    for (auto& r : a) r = _mm512_setzero_ps();
+    const uint32_t* base = kp + b * D2 * KEY_BLOCK;
+    for (int64_t d2 = 0; d2 < D2; ++d2) {
+      uint32_t p0, p1;
+      std::memcpy(&p0, q0 + 2 * d2, sizeof(p0));
+      std::memcpy(&p1, q1 + 2 * d2, sizeof(p1));
+      const __m512bh x0 = (__m512bh)_mm512_set1_epi32(static_cast<int>(p0));
+      const __m512bh x1 = (__m512bh)_mm512_set1_epi32(static_cast<int>(p1));
+      const uint32_t* kd = base + d2 * KEY_BLOCK;
+      for (int64_t t = 0; t < 4; ++t) {
+        const __m512bh kv = (__m512bh)_mm512_loadu_si512(kd + t * D2 * KEY_BLOCK);
+        a[t] = _mm512_dpbf16_ps(a[t], x0, kv);
+        a[4 + t] = _mm512_dpbf16_ps(a[4 + t], x1, kv);
+      }
+    }
+    for (int64_t t = 0; t < 4; ++t) {
+      _mm512_storeu_ps(s0 + (b + t) * KEY_BLOCK, _mm512_mul_ps(a[t], sv));
+      _mm512_storeu_ps(s1 + (b + t) * KEY_BLOCK, _mm512_mul_ps(a[4 + t], sv));
+    }
+  }
+  for (; b < nblk; ++b) {
+    __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
+    const uint32_t* base = kp + b * D2 * KEY_BLOCK;
+    for (int64_t d2 = 0; d2 < D2; ++d2) {
+      uint32_t p0, p1;
+      std::memcpy(&p0, q0 + 2 * d2, sizeof(p0));
+      std::memcpy(&p1, q1 + 2 * d2, sizeof(p1));
+      const __m512bh kv = (__m512bh)_mm512_loadu_si512(base + d2 * KEY_BLOCK);
+      a0 = _mm512_dpbf16_ps(a0, (__m512bh)_mm512_set1_epi32(static_cast<int>(p0)), kv);
+      a1 = _mm512_dpbf16_ps(a1, (__m512bh)_mm512_set1_epi32(static_cast<int>(p1)), kv);
+    }
+    _mm512_storeu_ps(s0 + b * KEY_BLOCK, _mm512_mul_ps(a0, sv));
+    _mm512_storeu_ps(s1 + b * KEY_BLOCK, _mm512_mul_ps(a1, sv));
+  }
+}
+
+// s[0, n) -> e^(s - max), rounded to bfloat16 pairs in pp[0, n / 2) (an odd last key stays in s[n - 1]);
+// returns 1 / the float32 sum.
+inline float softmax_pairs(float* s, int64_t n, uint32_t* pp) {
+  const float inv = 1.0f / exp_shifted(s, n, max_of(s, n));
+  int64_t j = 0;
+  for (; j + 32 <= n; j += 32)
+    _mm512_storeu_si512(pp + j / 2, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(s + j + 16), _mm512_loadu_ps(s + j)));
+  for (; j + 1 < n; j += 2)
+    pp[j / 2] = static_cast<uint32_t>(f32_to_bf16(s[j])) | (static_cast<uint32_t>(f32_to_bf16(s[j + 1])) << 16);
+  return inv;
+}
+
+// acc{0,1}[c] (16 dims each, c < C) += the weighted sums of V over key pairs [0, pairs) of packed V (vp, Dh dims).
+template <int64_t C>
+inline void weigh_pairs(__m512* acc0, __m512* acc1, const uint32_t* pp0, const uint32_t* pp1, const uint32_t* vp,
+                        int64_t Dh, int64_t pairs) {
+  for (int64_t jp = 0; jp < pairs; ++jp) {
+    const __m512bh x0 = (__m512bh)_mm512_set1_epi32(static_cast<int>(pp0[jp]));
+    const __m512bh x1 = (__m512bh)_mm512_set1_epi32(static_cast<int>(pp1[jp]));
+    const uint32_t* v = vp + jp * Dh;
+    for (int64_t c = 0; c < C; ++c) {
+      const __m512bh vv = (__m512bh)_mm512_loadu_si512(v + 16 * c);
+      acc0[c] = _mm512_dpbf16_ps(acc0[c], x0, vv);
+      acc1[c] = _mm512_dpbf16_ps(acc1[c], x1, vv);
+    }
+  }
+}
+#endif
+
+}  // namespace
+
+void prefill_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k, torch::Tensor v, double scale) {
+  TORCH_CHECK(out.device().is_cpu() && q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu(),
+              "CPU tensors only");
+  TORCH_CHECK(out.scalar_type() == at::kBFloat16 && q.scalar_type() == at::kBFloat16 &&
+                  k.scalar_type() == at::kBFloat16 && v.scalar_type() == at::kBFloat16, "bfloat16 tensors");
+  TORCH_CHECK(out.dim() == 3 && q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "[tokens, heads, Dh] tensors");
+  TORCH_CHECK(out.stride(2) == 1 && q.stride(2) == 1 && k.stride(2) == 1 && v.stride(2) == 1, "contiguous heads");
+  const int64_t Lq = q.size(0), H = q.size(1), Dh = q.size(2), Lk = k.size(0), Hkv = k.size(1);
+  TORCH_CHECK(Lq >= 1 && Lk >= Lq && Hkv >= 1 && H % Hkv == 0 && Dh % LANES == 0, "shapes");
+  TORCH_CHECK(k.size(2) == Dh && v.sizes() == k.sizes() && out.size(0) == Lq && out.size(1) == H &&
+                  out.size(2) == Dh, "k, v and out shapes");
+  at::assert_no_internal_overlap(out);
+  at::assert_no_overlap(out, q);
+  at::assert_no_overlap(out, k);
+  at::assert_no_overlap(out, v);
+  const int64_t G = H / Hkv, D2 = Dh / 2, offset = Lk - Lq;
+  const int64_t nblk_all = (Lk + KEY_BLOCK - 1) / KEY_BLOCK, npair_all = (Lk + 1) / 2;
+  const auto* qb = reinterpret_cast<const uint16_t*>(q.data_ptr());
+  const auto* kb = reinterpret_cast<const uint16_t*>(k.data_ptr());
+  const auto* vb = reinterpret_cast<const uint16_t*>(v.data_ptr());
+  auto* ob = reinterpret_cast<uint16_t*>(out.data_ptr());
+  const float fscale = static_cast<float>(scale);
+  auto q_row = [&](int64_t i, int64_t h) { return qb + i * q.stride(0) + h * q.stride(1); };
+  auto k_row = [&](int64_t j, int64_t kh) { return kb + j * k.stride(0) + kh * k.stride(1); };
+  auto v_row = [&](int64_t j, int64_t kh) { return vb + j * v.stride(0) + kh * v.stride(1); };
+  auto o_row = [&](int64_t i, int64_t h) { return ob + i * out.stride(0) + h * out.stride(1); };
+#if defined(__AVX512BF16__)
+  // K as [block][dim pair][key in block], V as [key pair][dim]: 32-bit bfloat16 pairs, zero past Lk
+  std::vector<uint32_t> kp(Hkv * nblk_all * D2 * KEY_BLOCK, 0u), vp(Hkv * npair_all * Dh, 0u);
+  at::parallel_for(0, Hkv, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t kh = begin; kh < end; ++kh) {
+      uint32_t* kd = &kp[kh * nblk_all * D2 * KEY_BLOCK];
+      uint32_t* vd = &vp[kh * npair_all * Dh];
+      for (int64_t j = 0; j < Lk; ++j) {
+        const uint16_t *kr = k_row(j, kh), *vr = v_row(j, kh);
+        for (int64_t d2 = 0; d2 < D2; ++d2) {
+          uint32_t pair;
+          std::memcpy(&pair, kr + 2 * d2, sizeof(pair));
+          kd[((j / KEY_BLOCK) * D2 + d2) * KEY_BLOCK + j % KEY_BLOCK] = pair;
+        }
+        const int shift = j % 2 ? 16 : 0;
+        for (int64_t d = 0; d < Dh; ++d) vd[(j / 2) * Dh + d] |= static_cast<uint32_t>(vr[d]) << shift;
+      }
+    }
+  });
+  // tiles of two queries (the last alone when Lq is odd, computed twice); unit u of a head: tiles u, T - 1 - u
+  const int64_t T = (Lq + 1) / 2, per_head = (T + 1) / 2;
+  at::parallel_for(0, H * per_head, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> s0(nblk_all * KEY_BLOCK), s1(nblk_all * KEY_BLOCK);
+    std::vector<uint32_t> pp0(npair_all + 16), pp1(npair_all + 16);
+    for (int64_t unit = begin; unit < end; ++unit) {
+      const int64_t h = unit / per_head, kh = h / G, u = unit % per_head;
+      const uint32_t* kd = &kp[kh * nblk_all * D2 * KEY_BLOCK];
+      const uint32_t* vd = &vp[kh * npair_all * Dh];
+      const int64_t tiles[2] = {u, T - 1 - u};  // u <= T - 1 - u; equal for the middle tile of an odd T
+      for (int64_t t = 0; t < (tiles[1] == u ? 1 : 2); ++t) {
+        const int64_t tile = tiles[t];
+        const int64_t i0 = 2 * tile, i1 = std::min(i0 + 1, Lq - 1);
+        const int64_t n0 = offset + i0 + 1, n1 = offset + i1 + 1;  // keys each sees (n1 >= n0)
+        score_two(s0.data(), s1.data(), q_row(i0, h), q_row(i1, h), kd, D2, (n1 + KEY_BLOCK - 1) / KEY_BLOCK, fscale);
+        const float inv0 = softmax_pairs(s0.data(), n0, pp0.data());
+        const float inv1 = softmax_pairs(s1.data(), n1, pp1.data());
+        const int64_t pairs = n0 / 2;  // whole pairs both queries see
+        for (int64_t c0 = 0; c0 < Dh; c0 += 128) {  // 128 dims (8 vectors per query) at a time in registers
+          const int64_t C = std::min<int64_t>(8, (Dh - c0) / 16);
+          __m512 a0[8], a1[8];
+          for (int64_t c = 0; c < 8; ++c) a0[c] = a1[c] = _mm512_setzero_ps();
+          switch (C) {
+#define KVFENCE_PAIRS(N) case N: weigh_pairs<N>(a0, a1, pp0.data(), pp1.data(), vd + c0, Dh, pairs); break;
+            KVFENCE_PAIRS(1) KVFENCE_PAIRS(2) KVFENCE_PAIRS(3) KVFENCE_PAIRS(4)
+            KVFENCE_PAIRS(5) KVFENCE_PAIRS(6) KVFENCE_PAIRS(7) KVFENCE_PAIRS(8)
+#undef KVFENCE_PAIRS
+          }
+          // the keys past the shared pairs, one at a time in float32: at most one for query 0, two for query 1
+          for (int64_t j = 2 * pairs; j < n1; ++j) {
+            const uint16_t* vr = v_row(j, kh) + c0;
+            const __m512 p0 = _mm512_set1_ps(j < n0 ? s0[j] : 0.0f), p1 = _mm512_set1_ps(s1[j]);
+            for (int64_t c = 0; c < C; ++c) {
+              const __m512 vv = load_bf16x16(vr + 16 * c);
+              if (j < n0) a0[c] = _mm512_fmadd_ps(p0, vv, a0[c]);
+              a1[c] = _mm512_fmadd_ps(p1, vv, a1[c]);
+            }
+          }
+          const __m512 iv0 = _mm512_set1_ps(inv0), iv1 = _mm512_set1_ps(inv1);
+          for (int64_t c = 0; c < C; ++c) {
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(o_row(i0, h) + c0 + 16 * c),
+                                (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(a0[c], iv0)));
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(o_row(i1, h) + c0 + 16 * c),
+                                (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(a1[c], iv1)));
+          }
+        }
+      }
+    }
+  });
+#else
+  // Without AVX512-BF16: one query at a time in float32.
+  at::parallel_for(0, H, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(Dh), kf(Dh), vf(Dh), scores(Lk), acc(Dh);
+    for (int64_t h = begin; h < end; ++h) {
+      const int64_t kh = h / G;
+      for (int64_t i = 0; i < Lq; ++i) {
+        const int64_t n = offset + i + 1;
+        bf16_to_f32(q_row(i, h), qf.data(), Dh);
+        float top = -std::numeric_limits<float>::infinity();
+        for (int64_t j = 0; j < n; ++j) {
+          bf16_to_f32(k_row(j, kh), kf.data(), Dh);
+          scores[j] = dot(qf.data(), kf.data(), Dh) * fscale;
+          top = scores[j] > top ? scores[j] : top;
+        }
+        const float inv = 1.0f / exp_shifted(scores.data(), n, top);
+        std::fill(acc.begin(), acc.end(), 0.0f);
+        for (int64_t j = 0; j < n; ++j) {
+          bf16_to_f32(v_row(j, kh), vf.data(), Dh);
+          axpy(acc.data(), scores[j], vf.data(), Dh);
+        }
+        for (int64_t d = 0; d < Dh; ++d) acc[d] *= inv;
+        f32_to_bf16_n(acc.data(), o_row(i, h), Dh);
+      }
+    }
+  });
+#endif
+}
+
+}  // namespace kvfence
