@@ -41,6 +41,7 @@ def add_worker_commands(sub: argparse._SubParsersAction) -> None:  # type: ignor
 def run_worker(args: argparse.Namespace) -> int:
     from dataclasses import replace
 
+    from kvfence.config import PDOptions
     from kvfence.engine.llm_engine import LLMEngine, return_freed_memory
     from kvfence.pd.cores import CoreShare
     from kvfence.pd.worker import DecodeWorker, PrefillWorker
@@ -66,24 +67,12 @@ def run_worker(args: argparse.Namespace) -> int:
     del loaded
     return_freed_memory()
     worker: PrefillWorker | DecodeWorker
+    options = PDOptions(transfer_timeout=args.transfer_timeout, prefill_timeout=args.prefill_timeout)
     if args.role == "prefill":
-        worker = PrefillWorker(
-            engine,
-            args.router,
-            args.data,
-            window=args.transfer_window,
-            transfer_timeout_s=args.transfer_timeout,
-            prefill_timeout_s=args.prefill_timeout,
-            cores=cores,
-        )
+        options = replace(options, transfer_window=args.transfer_window)
+        worker = PrefillWorker(engine, args.router, args.data, options, cores=cores)
     else:
-        worker = DecodeWorker(
-            engine,
-            args.router,
-            transfer_timeout_s=args.transfer_timeout,
-            prefill_timeout_s=args.prefill_timeout,
-            cores=cores,
-        )
+        worker = DecodeWorker(engine, args.router, options, cores=cores)
     worker.preflight = report  # shown per worker on the router's page map
     logging.getLogger("kvfence.pd").info("%s worker up, router %s", args.role, args.router)
     worker.serve()
