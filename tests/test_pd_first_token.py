@@ -3,11 +3,10 @@ client each token and each character once, although the decode worker's outputs 
 
 from __future__ import annotations
 
-from dataclasses import asdict
-
 from kvfence.engine.output import RequestOutput
 from kvfence.ids import RequestId
-from kvfence.pd.router import _Routed, _unseen
+from kvfence.pd import control
+from kvfence.pd.router_core import _Routed, _unseen
 
 
 def output(tokens: list[int], new: int, text: str, new_text: str, finished: bool = False) -> RequestOutput:
@@ -56,13 +55,13 @@ def test_the_router_takes_only_a_first_token_from_a_prefill_worker():
     core = RouterCore()
     core._send = lambda *a, **kw: None  # type: ignore[method-assign]  # no sockets here
     fp = {"layout": "l", "vocab_size": 10}
-    core.on_message(b"P", {"op": "register", "role": "prefill", "fingerprint": fp})
-    core.on_message(b"D", {"op": "register", "role": "decode", "fingerprint": fp})
+    core.on_message(b"P", control.Register("prefill", fp))
+    core.on_message(b"D", control.Register("decode", fp))
     seen: list[RequestOutput] = []
     core.route([1, 2, 3], SamplingParams(max_tokens=3), RequestId("r"), "t", seen.append)
 
     def send(sender: bytes, out: RequestOutput) -> None:
-        core.on_message(sender, {"op": "output", **asdict(out)})
+        core.on_frame(sender, control.encode(control.Output(out)))  # through the codec, as from a socket
 
     send(b"P", output([7, 8], 1, "ab", "b"))  # not a first token: dropped
     send(b"P", output([7], 1, "a", "a"))

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from kvfence.config import PDOptions
 from kvfence.engine.llm_engine import LLMEngine
 from kvfence.engine.output import RequestOutput
 from kvfence.engine.request import Request, SamplingParams
@@ -41,7 +42,7 @@ class _Transfer:
 class LocalPDPair:
     prefill: LLMEngine
     decode: LLMEngine
-    window: int = 8
+    window: int = field(default_factory=lambda: PDOptions().transfer_window)  # the default is config.py's
 
     def __post_init__(self) -> None:
         layout = layout_fingerprint(self.decode)

@@ -120,7 +120,8 @@ class RemoteEngine:
 
 class WorkersCollector(Collector):
     """The router's /metrics view of its workers, from their latest heartbeats (at most `HEARTBEAT_S` old):
-    KV pool pages by state and integrity failures, labelled by role and worker (role-pid)."""
+    KV pool pages by state and integrity failures, labelled by role and worker (role-pid); and the control
+    messages the router dropped (malformed, unknown op, unexpected), by reason."""
 
     def __init__(self, router: Router) -> None:
         self.router = router
@@ -147,7 +148,11 @@ class WorkersCollector(Collector):
                 pages.add_metric([w.role, name, state], value)
             total.add_metric([w.role, name], pool["num_pages"])
             failures.add_metric([w.role, name], w.health.get("integrity_failures", 0))
-        yield from (workers, pages, total, failures)
+        dropped = CounterMetricFamily("kvfence_router_control_dropped", "Control messages from workers the router "
+                                      "dropped", labels=["reason"])  # fmt: skip
+        for reason, count in self.router.control.counts().items():
+            dropped.add_metric([reason], count)
+        yield from (workers, pages, total, failures, dropped)
 
     def describe(self) -> Iterator[Metric]:
         return iter(())

@@ -16,20 +16,25 @@ import os
 import threading
 import time
 import uuid
+from collections.abc import Mapping
 from dataclasses import asdict
 from typing import Any
 
 import zmq
 
+from kvfence.config import PDOptions
 from kvfence.dashboard.snapshot import KvMapper
 from kvfence.engine.llm_engine import LLMEngine
 from kvfence.engine.loop import IdleTrim
 from kvfence.engine.preflight import PreflightReport
 from kvfence.pd import control, wire
+from kvfence.pd.control import ControlMessage
 from kvfence.pd.cores import CoreShare
+from kvfence.pd.decode_role import DecodeRole
 from kvfence.pd.local import layout_fingerprint
 from kvfence.pd.messages import Message
-from kvfence.pd.roles import DecodeRole, PrefillRole, Role
+from kvfence.pd.prefill_role import PrefillRole
+from kvfence.pd.roles import Role
 
 log = logging.getLogger("kvfence.pd.worker")
 IDLE_POLL_MS = 50
@@ -51,7 +56,9 @@ def fingerprint(engine: LLMEngine) -> dict[str, Any]:
 
 
 class Worker:
-    """The process shell around a role: it is the role's `Transport`."""
+    """The process shell around a role: it is the role's `Transport`. `options` gives the transfer window and
+    timeouts (kvfence/config.py's defaults when None); `config` is the worker's public configuration tree, sent
+    to the router at registration."""
 
     preflight: PreflightReport | None = None  # this worker's I6 verdict, set by its launcher (the page map)
     _kv_map: KvMapper | None = None
@@ -61,10 +68,15 @@ class Worker:
         self,
         engine: LLMEngine,
         router_addr: str,
+        options: PDOptions | None = None,
+        *,
+        config: Mapping[str, Any] | None = None,
         ctx: zmq.Context[Any] | None = None,
         cores: CoreShare | None = None,
     ) -> None:
         self.engine = engine
+        self.options = options or PDOptions()
+        self.config = dict(config or {})
         self.cores = cores  # threads per step follow the other workers on this host (kvfence/pd/cores.py)
         self.ctx = ctx or zmq.Context.instance()
         self.identity = uuid.uuid4().bytes
@@ -117,21 +129,20 @@ class Worker:
             beat.join()
             self.close()
 
-    def _health(self) -> dict[str, Any]:
+    def _health(self) -> control.Heartbeat:
         """What every heartbeat carries: the pool's page counts and the integrity failures so far (the router's
         /metrics shows them per worker)."""
         stats = asdict(self.engine.pool.stats())
-        return {
-            "pool_free": stats["num_free"],
-            "pool": stats,
-            "integrity_failures": self.engine.stats.integrity_failures,
-        }
+        return control.Heartbeat(
+            worker=self.identity.hex(),
+            pool_free=stats["num_free"],
+            pool=stats,
+            integrity_failures=self.engine.stats.integrity_failures,
+        )
 
-    def _register(self) -> None:
-        self.send_control(
-            "register", role=self.role.name, fingerprint=fingerprint(self.engine), data_addr=self.data_addr,
-            pid=os.getpid(),
-        )  # fmt: skip
+    def _register(self, _: control.Reregister | None = None) -> None:
+        fp = fingerprint(self.engine)
+        self.send_control(control.Register(self.role.name, fp, self.data_addr, os.getpid(), self.config))
 
     def _heartbeats(self) -> None:
         """Its own thread and socket, so a long forward step (a 2,000-token prefill) never looks like death."""
@@ -140,7 +151,7 @@ class Worker:
         sock.connect(self.router_addr)
         stop = threading.Event()
         while self.running and not stop.wait(HEARTBEAT_S):
-            sock.send(control.pack("heartbeat", worker=self.identity.hex(), **self._beat))
+            sock.send(control.encode(self._beat))
         sock.close(0)
 
     def _drain(self, sock: zmq.Socket[Any]) -> None:
@@ -151,7 +162,7 @@ class Worker:
                 return
             if sock is self.control:
                 self.last_router_msg = time.monotonic()
-                self.on_control(control.unpack(frames[0]))
+                self.role.on_control_frame(frames[0])
                 continue
             peer, body = (frames[0], frames[1:]) if sock is self.data_socket() else (sock, frames)
             try:
@@ -161,35 +172,49 @@ class Worker:
                 continue
             self.role.on_message(peer, message)
 
-    def on_control(self, msg: dict[str, Any]) -> None:
-        op = msg["op"]
-        if op == "refused":
-            log.error("router refused %s worker: %s", self.role.name, msg.get("reason"))
-            self.running = False
-        elif op == "shutdown":
-            self.running = False
-        elif op == "registered":
-            self.registered = True
-        elif op == "reregister":  # the router dropped us (missed heartbeats, or it restarted): join again
-            self._register()
-        elif op == "debug_kv":  # the router's page map: taken here, between two engine steps
-            self.send_control("debug_kv", nonce=msg.get("nonce"), snapshot=self.kv_map().snapshot())
-        elif op == "check":  # the router's integrity audit (tests, operators): between two engine steps
-            self.send_control("checked", nonce=msg.get("nonce"), **self.audit())
-        elif op == "arm":  # fault injection at run time, only where the operator allowed it (tests, drills)
-            if os.environ.get("KVFENCE_FAULT_ARMING") == "1":
-                self.engine.faults.arm(msg["spec"])
-                log.warning("%s worker: fault knobs armed by the router: %s", self.role.name, msg["spec"])
-            else:
-                log.error(
-                    "%s worker: refused to arm %s (KVFENCE_FAULT_ARMING is not 1)",
-                    self.role.name,
-                    msg["spec"],
-                )
-        elif op != "ping":
-            self.role.on_control(msg)
+    # ---- control messages the worker answers itself (the role takes requests and aborts) ------------------
 
-    def audit(self) -> dict[str, Any]:
+    def control_handlers(self) -> dict[type[ControlMessage], control.Handler]:
+        return {
+            control.Refused: self._on_refused,
+            control.Shutdown: self._on_shutdown,
+            control.Registered: self._on_registered,
+            control.Reregister: self._register,  # the router dropped us (missed heartbeats, or it restarted)
+            control.DebugKv: self._on_debug_kv,
+            control.Check: self._on_check,
+            control.Arm: self._on_arm,
+            control.Ping: control.ignore,  # only resets the silence clock, as every message from the router does
+        }
+
+    def _on_refused(self, msg: control.Refused) -> None:
+        log.error("router refused %s worker: %s", self.role.name, msg.reason)
+        self.running = False
+
+    def _on_shutdown(self, msg: control.Shutdown) -> None:
+        self.running = False
+
+    def _on_registered(self, msg: control.Registered) -> None:
+        self.registered = True
+
+    def _on_debug_kv(self, msg: control.DebugKv) -> None:
+        """The router's page map: taken here, between two engine steps."""
+        self.send_control(control.DebugKv(msg.nonce, self.kv_map().snapshot()))
+
+    def _on_check(self, msg: control.Check) -> None:
+        """The router's integrity audit (tests, operators): between two engine steps."""
+        self.send_control(self.audit(msg.nonce))
+
+    def _on_arm(self, msg: control.Arm) -> None:
+        """Fault injection at run time, only where the operator allowed it (tests, drills)."""
+        if os.environ.get("KVFENCE_FAULT_ARMING") == "1":
+            self.engine.faults.arm(msg.spec)
+            log.warning("%s worker: fault knobs armed by the router: %s", self.role.name, msg.spec)
+        else:
+            log.error(
+                "%s worker: refused to arm %s (KVFENCE_FAULT_ARMING is not 1)", self.role.name, msg.spec
+            )
+
+    def audit(self, nonce: int = 0) -> control.Checked:
         """Integrity of this worker's pool, engine and transfers, and what is still live."""
         try:
             self.role.check_integrity()
@@ -197,7 +222,7 @@ class Worker:
         except AssertionError as exc:
             error = str(exc) or "AssertionError"
         stats = self.engine.pool.stats()
-        return {"ok": error is None, "error": error, "num_pages": stats.num_pages, "num_free": stats.num_free}
+        return control.Checked(nonce, error is None, error, stats.num_pages, stats.num_free)
 
     def kv_map(self) -> KvMapper:
         if self._kv_map is None:
@@ -207,8 +232,8 @@ class Worker:
 
     # ---- Transport -------------------------------------------------------------------------------------
 
-    def send_control(self, op: str, **body: Any) -> None:
-        self.control.send(control.pack(op, **body))
+    def send_control(self, message: ControlMessage) -> None:
+        self.control.send(control.encode(message))
 
     def send_data(self, peer: Any, message: Message) -> None:
         raise NotImplementedError
@@ -231,13 +256,11 @@ class PrefillWorker(Worker):
         engine: LLMEngine,
         router_addr: str,
         data_addr: str,
-        window: int = 8,
-        transfer_timeout_s: float = 30.0,
-        prefill_timeout_s: float = 300.0,
+        options: PDOptions | None = None,
         **kw: Any,
     ) -> None:
-        super().__init__(engine, router_addr, **kw)
-        self.role = PrefillRole(engine, self, window, transfer_timeout_s, prefill_timeout_s=prefill_timeout_s)
+        super().__init__(engine, router_addr, options, **kw)
+        self.role = PrefillRole(engine, self, self.options)
         self.data: zmq.Socket[Any] = self.ctx.socket(zmq.ROUTER)
         self.data.setsockopt(zmq.LINGER, 0)
         host, _, port = data_addr.rpartition(":")
@@ -264,12 +287,11 @@ class DecodeWorker(Worker):
         self,
         engine: LLMEngine,
         router_addr: str,
-        transfer_timeout_s: float = 30.0,
-        prefill_timeout_s: float = 300.0,
+        options: PDOptions | None = None,
         **kw: Any,
     ) -> None:
-        super().__init__(engine, router_addr, **kw)
-        self.role = DecodeRole(engine, self, transfer_timeout_s, prefill_timeout_s=prefill_timeout_s)
+        super().__init__(engine, router_addr, options, **kw)
+        self.role = DecodeRole(engine, self, self.options)
         self.peers: dict[str, zmq.Socket[Any]] = {}  # prefill data address -> our DEALER to it
 
     def connect(self, data_addr: str) -> Any:

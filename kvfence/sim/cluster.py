@@ -6,7 +6,7 @@ The router is the real `RouterCore`; each worker is a real `PrefillRole` or `Dec
 
 - the network: control messages (router <-> workers) are reliable and FIFO per link, as over ZeroMQ/TCP, but
   delayed; data messages (tickets, frames, acks, finals, aborts) can be dropped, duplicated, delayed and
-  reordered; everything goes through the real wire encodings (`control.pack`, `wire.encode`);
+  reordered; everything goes through the real wire encodings (`control.encode`, `wire.encode`);
 - time: engine steps, heartbeats, timeouts and the router's dead-worker reaping run on the simulated clock;
 - clients: two tenants submit requests (admission is the router's) and abort some at random moments;
 - failures: workers crash (their messages in flight still arrive; nothing reaches them any more) and new ones
@@ -22,6 +22,9 @@ transfer, sender or routed request is left behind (liveness).
 Event names in the trace follow the Promela model (verify/transfer.pml): `net_recv` (delivery), `engine_step`,
 `rx_timeout`/`tx_timeout` (a worker's tick), `client_submit`, `client_abort`, `crash`, `restart`, `heartbeat`,
 `router_reap`.
+
+Modules: scenario.py (the configuration drawn from a seed, the clients), nodes.py (the router and workers, with
+this simulation as their transport), runner.py (the provenance runner), trace_check.py (the page-event oracle).
 """
 
 from __future__ import annotations
@@ -31,193 +34,28 @@ import itertools
 import json
 import random
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field, fields
-from typing import Any, cast
-
-import tokenizers
+from typing import Any
 
 from kvfence import trace
-from kvfence.config import Config
 from kvfence.engine.errors import AdmissionError
-from kvfence.engine.llm_engine import LLMEngine
-from kvfence.engine.model_runner import ModelRunner
 from kvfence.engine.output import RequestOutput
 from kvfence.engine.request import SamplingParams
 from kvfence.faults import Faults
 from kvfence.ids import RequestId
-from kvfence.model.config import ModelConfig
-from kvfence.model.loader import LoadedModel
-from kvfence.model.tokenizer import Tokenizer
 from kvfence.pd import control, wire
-from kvfence.pd.messages import Message
-from kvfence.pd.roles import DecodeRole, PrefillRole, Role
-from kvfence.pd.router import NoWorkers, RouterCore
-from kvfence.pd.worker import fingerprint
-from kvfence.sim.runner import ProvenanceRunner, expected_token
+from kvfence.pd.router_core import NoWorkers
+from kvfence.sim.nodes import ROUTER, VOCAB, Crash, SimRouter, SimWorker, make_engine
+from kvfence.sim.runner import expected_token
+from kvfence.sim.scenario import BOOKKEEPING_KNOBS, Client, SimConfig
 from kvfence.sim.trace_check import TraceChecker
 
-VOCAB = 64
-ROUTER = "router"
 STEP_S = (0.002, 0.02)  # simulated time between two steps of one worker
 HEARTBEAT_S = 0.5
-KNOBS = ("placeholder_prefill", "stale_frame", "corrupt_frame", "free_on_timeout", "reuse_transfer_id",
-         "die_mid_transfer", "skip_stamp", "drop_write", "double_lease")  # fmt: skip
-# Knobs that break the pool's bookkeeping themselves (a page leased twice, a reservation whose pages were freed):
-# with them armed and the checks on, the simulator checks what the checks must still guarantee (no foreign read,
-# no wrong token, every request ends), not the bookkeeping invariants the knob breaks on purpose.
-BOOKKEEPING_KNOBS = ("double_lease", "free_on_timeout")
 REAP_S = 0.25
 
 
 class Violation(AssertionError):
     """An invariant failed; the message says which, and the trace says how."""
-
-
-class Crash(Exception):
-    """Raised inside a role to end its worker at once (the die_mid_transfer knob)."""
-
-
-@dataclass
-class SimConfig:
-    seed: int
-    num_prefill: int = 2
-    num_decode: int = 1
-    prefill_pages: int = 24
-    decode_pages: int = 24
-    page_size: int = 4
-    context_length: int = 64
-    num_requests: int = 8
-    max_prompt: int = 30
-    max_tokens: int = 5
-    p_drop: float = 0.0  # data plane only
-    p_dup: float = 0.0
-    max_delay_s: float = 0.005  # data plane latency is uniform in [0, max_delay_s]: reordering
-    p_abort: float = 0.1
-    crashes: int = 0
-    checks: bool = True  # the engines' I1 checks and the receivers' checks (--no-integrity-checks when False)
-    faults: str = ""  # "knob=count,..." armed on every worker engine and the router
-    window: int = 2
-    transfer_timeout_s: float = 1.5
-    prefill_timeout_s: float = 3.0
-    dead_after_s: float = 1.2
-    submit_until_s: float = 2.0
-    horizon_s: float = 30.0
-
-    @classmethod
-    def from_seed(cls, seed: int, **overrides: Any) -> SimConfig:
-        """A random but reproducible scenario: network, pool sizes, load, aborts and crashes vary with the seed."""
-        rng = random.Random(seed)
-        lossy = rng.random() < 0.5
-        config = cls(
-            seed=seed,
-            num_prefill=rng.choice([1, 2, 2]),
-            num_decode=rng.choice([1, 1, 2]),
-            prefill_pages=rng.choice([10, 16, 24]),
-            decode_pages=rng.choice([10, 16, 24]),
-            num_requests=rng.randint(3, 10),
-            max_prompt=rng.choice([8, 20, 36]),
-            max_tokens=rng.randint(1, 6),
-            p_drop=rng.choice([0.02, 0.1]) if lossy else 0.0,
-            p_dup=rng.choice([0.02, 0.1]) if lossy else 0.0,
-            max_delay_s=rng.choice([0.0005, 0.005, 0.05]),
-            p_abort=rng.choice([0.0, 0.1, 0.3]),
-            crashes=rng.choice([0, 0, 0, 1]),
-            window=rng.choice([1, 2, 8]),
-        )
-        if rng.random() < 0.35:  # a fault knob armed, with every check on: victims fail, invariants hold
-            config.faults = f"{rng.choice(KNOBS)}={rng.randint(1, 3)}"
-        names = {f.name for f in fields(cls)}
-        for key, value in overrides.items():
-            assert key in names, key
-            setattr(config, key, value)
-        return config
-
-
-def sim_model() -> LoadedModel:
-    """Model config and tokenizer for engines whose runner is the provenance runner (no weights)."""
-    vocab = {"<|endoftext|>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, VOCAB)}}
-    hf = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<|endoftext|>"))
-    tokenizer = Tokenizer(hf, bos_token_id=1, eos_token_ids=[2], add_bos=False, chat_template=None)
-    config = ModelConfig(
-        architecture="llama", vocab_size=VOCAB, hidden_size=8, intermediate_size=16, num_layers=1,
-        num_heads=1, num_kv_heads=1, head_dim=8, rope_theta=10000.0, rms_norm_eps=1e-5,
-        context_length=128, tie_word_embeddings=True, attention_bias=False, bos_token_id=1,
-        eos_token_ids=(2,), name="sim",
-    )  # fmt: skip
-    return LoadedModel(config, {}, tokenizer, "sim")
-
-
-def make_engine(
-    cfg: SimConfig, num_pages: int, faults: Faults, lease_prefix: int
-) -> tuple[LLMEngine, ProvenanceRunner]:
-    runner = ProvenanceRunner(num_pages, cfg.page_size, VOCAB, faults)
-    config = Config.of(
-        model="sim", dtype="float32", page_size=cfg.page_size, kv_pages=num_pages,
-        context_length=cfg.context_length, max_num_seqs=8, max_num_batched_tokens=32, integrity_checks=cfg.checks,
-        lease_prefix=lease_prefix, enable_prefix_cache=False,
-    )  # fmt: skip
-    return LLMEngine(config, sim_model(), runner=cast(ModelRunner, runner), faults=faults), runner
-
-
-class SimPrefillRole(PrefillRole):
-    def die(self) -> None:
-        raise Crash("die_mid_transfer")
-
-
-@dataclass
-class SimWorker:
-    """A worker process: a role and its engine, with the simulator as its transport."""
-
-    name: str
-    kind: str  # "prefill" | "decode"
-    sim: Simulation
-    engine: LLMEngine
-    runner: ProvenanceRunner
-    role: Role = field(init=False)
-    alive: bool = True
-
-    def __post_init__(self) -> None:
-        cfg, clock = self.sim.cfg, self.sim.now
-        if self.kind == "prefill":
-            self.role = SimPrefillRole(
-                self.engine, self, cfg.window, cfg.transfer_timeout_s, clock, cfg.prefill_timeout_s
-            )
-        else:
-            self.role = DecodeRole(self.engine, self, cfg.transfer_timeout_s, clock, cfg.prefill_timeout_s)
-
-    # Transport
-    def send_control(self, op: str, **body: Any) -> None:
-        self.sim.send_control(self.name, ROUTER, control.pack(op, **body))
-
-    def send_data(self, peer: Any, message: Message) -> None:
-        self.sim.send_data(self.name, str(peer), wire.encode(message))
-
-    def connect(self, data_addr: str) -> Any:
-        return data_addr
-
-    def on_control(self, msg: dict[str, Any]) -> None:
-        if msg["op"] == "reregister":
-            self.register()
-        elif msg["op"] not in ("registered", "refused", "ping", "shutdown"):
-            self.role.on_control(msg)
-
-    def register(self) -> None:
-        fp = fingerprint(self.engine)
-        self.send_control("register", role=self.kind, fingerprint=fp, data_addr=self.name, pid=0)
-
-
-@dataclass
-class Client:
-    request_id: str
-    tenant: str
-    prompt: list[int]
-    max_tokens: int
-    outputs: list[RequestOutput] = field(default_factory=list)
-    rejected: str | None = None
-
-    @property
-    def ended(self) -> bool:
-        return self.rejected is not None or any(o.finished for o in self.outputs)
 
 
 class Simulation:
@@ -347,9 +185,8 @@ class Simulation:
         if kind == "heartbeat":
             worker = self.workers.get(args[0])
             if worker is not None and worker.alive:
-                worker.send_control(
-                    "heartbeat", worker=worker.name.encode().hex(), pool_free=worker.engine.pool.num_free
-                )
+                beat = control.Heartbeat(worker.name.encode().hex(), pool_free=worker.engine.pool.num_free)
+                worker.send_control(beat)
                 self._schedule(HEARTBEAT_S, "heartbeat", (worker.name,))
         elif kind == "router_reap":
             self.trace("router_reap")
@@ -380,20 +217,25 @@ class Simulation:
 
     def _deliver(self, plane: str, src: str, dst: str, payload: Any) -> SimWorker | None:
         if dst == ROUTER:
-            msg = control.unpack(payload)
-            self.trace("net_recv", plane=plane, src=src, dst=dst, op=msg["op"])
-            self.router.on_message(src.encode(), msg)
+            msg = self.router.control.decode(payload)
+            self.trace("net_recv", plane=plane, src=src, dst=dst, op=msg.op if msg else None)
+            if msg is not None:
+                self.router.on_message(src.encode(), msg)
             return None
         worker = self.workers.get(dst)
         if worker is None or not worker.alive:
             self.trace("net_lost", plane=plane, src=src, dst=dst)
             return None
         if plane == "control":
-            msg = control.unpack(payload)
-            self.trace(
-                "net_recv", plane=plane, src=src, dst=dst, op=msg["op"], request_id=msg.get("request_id")
+            msg = worker.role.control.decode(payload)
+            rid = (
+                msg.request_id
+                if isinstance(msg, control.Prefill | control.Expect | control.AbortRequest)
+                else None
             )
-            self._guarded(worker, lambda: worker.on_control(msg))
+            self.trace("net_recv", plane=plane, src=src, dst=dst, op=msg.op if msg else None, request_id=rid)
+            if msg is not None:
+                self._guarded(worker, lambda: worker.role.control(msg))
         else:
             message = wire.decode(payload)
             self.trace("net_recv", plane=plane, src=src, dst=dst, msg=type(message).__name__,
@@ -407,11 +249,7 @@ class Simulation:
             return None
         self._schedule(self.rng.uniform(*STEP_S), "engine_step", (name,))
         role = worker.role
-        if isinstance(role, PrefillRole):
-            pending = bool(role.out or role.done)
-        else:
-            pending = bool(cast(DecodeRole, role).incoming or cast(DecodeRole, role).queued)
-        if not worker.engine.has_unfinished() and not pending:
+        if not worker.engine.has_unfinished() and not role.pending():
             return None  # nothing to step, nothing that can time out
         self.trace("engine_step", node=name)
         self._guarded(worker, role.step)
@@ -472,10 +310,8 @@ class Simulation:
         role, engine = worker.role, worker.engine
         if engine.has_unfinished() or engine.pool.num_free != engine.pool.num_pages:
             return False
-        if isinstance(role, PrefillRole):
-            return not role.out and not role.done
-        assert isinstance(role, DecodeRole)
-        return not role.incoming and not role.queued and role.rx.num_active == 0
+        rx = role.receiver()
+        return not role.pending() and (rx is None or rx.num_active == 0)
 
     def check_quiescence(self) -> None:
         stuck = [c.request_id for c in self.clients.values() if not c.ended]
@@ -493,11 +329,8 @@ class Simulation:
             raise Violation(f"liveness: the router still routes {sorted(self.router._routed)}")
 
     def _leftovers(self, worker: SimWorker) -> str:
-        role = worker.role
-        if isinstance(role, PrefillRole):
-            return f"out={sorted(role.out)} done={sorted(role.done)}"
-        assert isinstance(role, DecodeRole)
-        return f"incoming={sorted(role.incoming)} queued={list(role.queued)} active={role.rx.num_active}"
+        rx = worker.role.receiver()
+        return f"pending={worker.role.pending()} active={rx.num_active if rx is not None else '-'}"
 
     def summary(self) -> dict[str, Any]:
         outcomes: dict[str, int] = {}
@@ -512,15 +345,6 @@ class Simulation:
             "time": round(self.time, 3),
             "outcomes": outcomes,
         }
-
-
-class SimRouter(RouterCore):
-    def __init__(self, sim: Simulation, dead_after_s: float, faults: Faults, tid_prefix: int) -> None:
-        super().__init__(dead_after_s, faults, clock=sim.now, tid_prefix=tid_prefix)
-        self.sim = sim
-
-    def _send(self, identity: bytes, op: str, **body: Any) -> None:
-        self.sim.send_control(ROUTER, identity.decode(), control.pack(op, **body))
 
 
 def run_seed(

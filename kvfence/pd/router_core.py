@@ -1,0 +1,273 @@
+"""The PD router's decisions, without sockets or threads: worker registry (I6), admission over every stage (I5),
+placement, and fan-in of outputs. Control messages and clock ticks in, control messages out through `_send`.
+
+The ZeroMQ `Router` (kvfence/pd/router.py) puts this behind a socket and an I/O thread; the deterministic
+simulator (kvfence/sim) drives it directly. Messages from workers go through one dispatch table
+(`control_handlers`); whatever it cannot use is counted on `control` (a `control.Dispatch`) and dropped.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from kvfence.engine.admission import Limits, admit
+from kvfence.engine.output import RequestOutput
+from kvfence.engine.request import SamplingParams
+from kvfence.faults import Faults
+from kvfence.ids import RequestId
+from kvfence.pd import control
+from kvfence.pd.control import ControlMessage
+from kvfence.pd.messages import TransferId
+
+log = logging.getLogger("kvfence.pd.router")
+OnOutput = Callable[[RequestOutput], None]
+
+
+class NoWorkers(RuntimeError):
+    pass
+
+
+@dataclass
+class WorkerInfo:
+    identity: bytes
+    role: str
+    fingerprint: dict[str, Any]
+    data_addr: str
+    last_seen: float
+    pool_free: int | None = None  # from the latest heartbeat
+    health: dict[str, Any] = field(default_factory=dict)  # the latest heartbeat: pool page counts, failures
+    pid: int | None = None  # for operators' logs (and tests that kill a worker)
+    config: dict[str, Any] = field(default_factory=dict)  # the worker's public configuration tree (register)
+
+
+@dataclass
+class _Routed:
+    prompt_len: int
+    prefill: bytes
+    decode: bytes
+    on_output: OnOutput
+    done: bool = False
+    # output tokens and text the client has been given (the first token may come from the prefill worker)
+    sent_tokens: int = 0
+    sent_text: str = ""
+
+
+def _unseen(routed: _Routed, out: RequestOutput) -> RequestOutput:
+    """What of `out` the client has not seen; records it as seen. The prefill worker sends the first token as
+    soon as it is sampled (the time to first token is then the prefill's, not the prefill's plus the
+    transfer's), and the decode worker's outputs carry it again. Tokens and logprobs already sent are dropped;
+    text is cut from the cumulative text, since the decode worker's detokenizer may still hold back what the
+    prefill worker's already showed (a character split across tokens)."""
+    skip = max(0, routed.sent_tokens - (out.num_output_tokens - len(out.new_token_ids)))
+    routed.sent_tokens = max(routed.sent_tokens, out.num_output_tokens)
+    sent = routed.sent_text
+    if out.text.startswith(sent):
+        new_text, routed.sent_text = out.text[len(sent) :], out.text
+    else:  # behind what was sent (held back), or an error's empty text
+        new_text = "" if sent.startswith(out.text) else out.new_text
+    if skip == 0 and new_text == out.new_text:
+        return out
+    return replace(
+        out, new_token_ids=out.new_token_ids[skip:], new_text=new_text, logprobs=out.logprobs[skip:]
+    )
+
+
+class RouterCore:
+    def __init__(
+        self,
+        dead_after_s: float = 5.0,
+        faults: Faults | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        tid_prefix: int | None = None,
+    ) -> None:
+        self.dead_after_s = dead_after_s  # no heartbeat for this long: the worker is gone
+        self.faults = faults or Faults()
+        self.clock = clock
+        self.workers: dict[bytes, WorkerInfo] = {}
+        self._routed: dict[RequestId, _Routed] = {}
+        self._rr = itertools.count()
+        # transfer ids: a 24-bit random prefix per router, then a counter (increasing: receivers rely on it)
+        prefix = int.from_bytes(os.urandom(3), "little") if tid_prefix is None else tid_prefix
+        self._tids = itertools.count((prefix << 40) + 1)
+        self._last_tid = 0
+        self.control = control.Dispatch("router", self.control_handlers())
+
+    def control_handlers(self) -> dict[type[ControlMessage], control.Handler]:
+        """What the router does with each message from a worker; handlers take (message, sender identity)."""
+        return {
+            control.Register: self._register,
+            control.Output: self._on_output,
+            control.Heartbeat: self._on_heartbeat,
+            control.RequestError: self._on_request_error,
+        }
+
+    def _send(self, identity: bytes, message: ControlMessage) -> None:
+        raise NotImplementedError
+
+    def _workers_changed(self) -> None:
+        """Hook: the registry gained or lost a worker."""
+
+    # ---- admission and placement --------------------------------------------------------------------
+
+    def limits(self) -> tuple[Limits, Limits]:
+        """(prefill, decode) limits: the smallest context and pool any worker of each role has (I6)."""
+        fps = {
+            role: [w.fingerprint for w in list(self.workers.values()) if w.role == role]
+            for role in ("prefill", "decode")
+        }
+        if not fps["prefill"] or not fps["decode"]:
+            raise NoWorkers("no prefill or no decode worker registered")
+        ctx = min(fp["context_length"] for fp in fps["prefill"] + fps["decode"])
+        page = fps["decode"][0]["page_size"]
+        return (
+            Limits(ctx, min(fp["pool_pages"] for fp in fps["prefill"]), page),
+            Limits(ctx, min(fp["pool_pages"] for fp in fps["decode"]), page),
+        )
+
+    def admit(self, num_prompt_tokens: int, params: SamplingParams) -> None:
+        """I5 against every stage, before anything is sent; raises AdmissionError or NoWorkers."""
+        prefill_limits, decode_limits = self.limits()
+        admit(num_prompt_tokens, params, prefill_limits, prefill_only=True)
+        admit(num_prompt_tokens, params, decode_limits)
+
+    def placement(self, request_id: str) -> tuple[WorkerInfo, WorkerInfo] | None:
+        """(prefill, decode) serving a live request, or None."""
+        routed = self._routed.get(RequestId(request_id))
+        if routed is None:
+            return None
+        workers = dict(self.workers)
+        p, d = workers.get(routed.prefill), workers.get(routed.decode)
+        return (p, d) if p is not None and d is not None else None
+
+    def route(
+        self, ids: list[int], params: SamplingParams, rid: RequestId, tenant: str, cb: OnOutput
+    ) -> None:
+        prefills = [w for w in self.workers.values() if w.role == "prefill"]
+        decodes = [w for w in self.workers.values() if w.role == "decode"]
+        if not prefills or not decodes:
+            cb(RequestOutput(rid, (), "", True, "error", "worker_unavailable", len(ids), 0, "", ()))
+            return
+        n = next(self._rr)
+        p, d = prefills[n % len(prefills)], decodes[n % len(decodes)]
+        self._routed[rid] = _Routed(len(ids), p.identity, d.identity, cb)
+        tid = self._last_tid if self._last_tid and self.faults.fire("reuse_transfer_id") else next(self._tids)
+        self._last_tid = tid
+        prompt, body = tuple(ids), control.params_to_json(params)
+        self._send(d.identity, control.Expect(rid, TransferId(tid), prompt, body, p.data_addr, tenant))
+        self._send(p.identity, control.Prefill(rid, TransferId(tid), prompt, body, tenant))
+
+    def cancel(self, rid: RequestId) -> None:
+        """The client went away: both sides abort the request (by request id)."""
+        routed = self._routed.get(rid)
+        if routed is None:
+            return
+        for identity in (routed.decode, routed.prefill):
+            self._send(identity, control.AbortRequest(rid))
+
+    # ---- messages from workers, and time --------------------------------------------------------------
+
+    def on_frame(self, identity: bytes, frame: bytes) -> None:
+        """A control frame from `identity`: decoded and dispatched, or counted and dropped."""
+        message = self.control.decode(frame)
+        if message is not None:
+            self.on_message(identity, message)
+
+    def on_message(self, identity: bytes, message: ControlMessage) -> None:
+        if identity in self.workers:
+            self.workers[identity].last_seen = self.clock()
+        self.control(message, identity)
+
+    def _on_output(self, msg: control.Output, sender: bytes) -> None:
+        out = msg.output
+        routed = self._routed.get(out.request_id)
+        if routed is None or routed.done:
+            return
+        if sender == routed.prefill and (out.finished or out.num_output_tokens != 1):
+            return  # a prefill worker speaks for the first token only; the rest is decode's
+        out = _unseen(routed, out)
+        routed.done = out.finished
+        routed.on_output(out)
+        if out.finished:
+            self._routed.pop(out.request_id, None)
+        if out.finished and out.error_code is not None:
+            # decode failed it (a refused reservation, a failed transfer): the prefill may still hold pages for
+            # it. By request id, never by transfer id, which a collision could share (finding 2).
+            self._send(routed.prefill, control.AbortRequest(out.request_id))
+
+    def _on_heartbeat(self, msg: control.Heartbeat, sender: bytes) -> None:
+        """Heartbeats come from each worker's own heartbeat socket and name the worker's control identity."""
+        try:
+            identity = bytes.fromhex(msg.worker)
+        except ValueError:
+            return
+        worker = self.workers.get(identity)
+        if worker is None:  # alive after all (or the router restarted): ask it to register again
+            self._send(identity, control.Reregister())
+            return
+        worker.last_seen = self.clock()
+        worker.pool_free = msg.pool_free
+        health = {"pool": msg.pool, "integrity_failures": msg.integrity_failures}
+        worker.health = {k: v for k, v in health.items() if v is not None}
+
+    def reap_dead_workers(self) -> None:
+        """A worker that went silent is gone: its requests fail (503 to clients), the surviving side of each is
+        told to abort (revoking its reservations), and placement skips it from now on."""
+        now = self.clock()
+        dead = [w for w in self.workers.values() if now - w.last_seen > self.dead_after_s]
+        for w in dead:
+            log.error("%s worker %s missed its heartbeats; failing its requests", w.role, w.data_addr or "")
+            del self.workers[w.identity]
+            self._workers_changed()
+            for rid, routed in list(self._routed.items()):
+                if w.identity in (routed.prefill, routed.decode):
+                    self._on_error(w.identity, rid, "worker_unavailable")
+
+    def _register(self, msg: control.Register, identity: bytes) -> None:
+        fp = msg.fingerprint
+        for other in self.workers.values():
+            if (
+                other.fingerprint["layout"] != fp["layout"]
+                or other.fingerprint["vocab_size"] != fp["vocab_size"]
+            ):
+                reason = f"fingerprint {fp} does not match registered worker {other.fingerprint}"
+                log.error("refusing %s worker: %s", msg.role, reason)
+                self._send(identity, control.Refused(reason))
+                return
+        info = WorkerInfo(
+            identity, msg.role, fp, msg.data_addr, self.clock(), pid=msg.pid, config=dict(msg.config)
+        )
+        self.workers[identity] = info
+        self._workers_changed()
+        log.info("registered %s worker %s", msg.role, fp)
+        self._send(identity, control.Registered())
+
+    def worker_configs(self) -> list[dict[str, Any]]:
+        """Each registered worker's public configuration tree, as it sent it at registration (any thread)."""
+        return [
+            {
+                "role": w.role,
+                "pid": w.pid,
+                "data_addr": w.data_addr,
+                "worker": w.identity.hex(),
+                "config": w.config,
+            }
+            for w in list(self.workers.values())
+        ]
+
+    def _on_request_error(self, msg: control.RequestError, identity: bytes) -> None:
+        self._on_error(identity, msg.request_id, msg.code)
+
+    def _on_error(self, identity: bytes, rid: RequestId, code: str) -> None:
+        """A worker refused or failed the request: end it for the client, and stop the other side."""
+        routed = self._routed.pop(rid, None)
+        if routed is None or routed.done:
+            return
+        other = routed.decode if identity == routed.prefill else routed.prefill
+        self._send(other, control.AbortRequest(rid))
+        routed.on_output(RequestOutput(rid, (), "", True, "error", code, routed.prompt_len, 0, "", ()))
