@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 
+from kvfence.pd import control
 from kvfence.pd.router import RouterCore
 
 
@@ -25,12 +26,12 @@ def fingerprint(**changes: Any) -> dict[str, Any]:
 def core_with_outbox() -> tuple[RouterCore, list[tuple[bytes, str]]]:
     core = RouterCore()
     sent: list[tuple[bytes, str]] = []
-    core._send = lambda identity, op, **body: sent.append((identity, op))  # type: ignore[method-assign]
+    core._send = lambda identity, message: sent.append((identity, message.op))  # type: ignore[method-assign]
     return core, sent
 
 
 def register(core: RouterCore, identity: bytes, role: str, fp: dict[str, Any]) -> None:
-    core.on_message(identity, {"op": "register", "role": role, "fingerprint": fp})
+    core.on_message(identity, control.Register(role=role, fingerprint=fp))
 
 
 def test_a_worker_with_another_kv_layout_is_refused():
@@ -57,8 +58,6 @@ def test_the_router_admits_against_the_smallest_context_and_pool():
     "from any identity that is not its prefill worker (docs/invariants.md)",
 )
 def test_the_router_takes_output_only_from_the_workers_it_placed_the_request_on():
-    from dataclasses import asdict
-
     from kvfence.engine.output import RequestOutput
     from kvfence.engine.request import SamplingParams
     from kvfence.ids import RequestId
@@ -72,5 +71,5 @@ def test_the_router_takes_output_only_from_the_workers_it_placed_the_request_on(
     # the other decode worker: registered, but not the one this request was placed on
     stranger = ({b"D", b"X"} - {placed_on}).pop()
     forged = RequestOutput(RequestId("r"), (7,), "forged", True, "stop", None, 3, 1, "forged", (7,))
-    core.on_message(stranger, {"op": "output", **asdict(forged)})
+    core.on_message(stranger, control.Output(forged))
     assert seen == []
