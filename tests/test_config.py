@@ -216,3 +216,26 @@ def test_debug_config_returns_the_effective_tree_to_the_admin_only(tiny_model):
         assert body["mode"] == "colocated" and body["config"]["cache"]["kv_canary_interval"] == 7
         assert "admin_key" not in body["config"]["server"] and '"adm"' not in got.text
         assert Config.from_json(json.dumps(body["config"])) == srv.engine.engine.config  # type: ignore[attr-defined]
+
+
+def test_serve_pd_workers_run_with_the_tree_they_were_sent_and_report_it_when_they_register(tiny_dir):
+    """Real worker processes started as `serve --mode pd` starts them (JSON on standard input): each registers
+    with the tree it runs, and values no flag was rebuilt for arrive (a field added later arrives the same way)."""
+    from kvfence.pd.router import Router
+    from kvfence.runtime.pd import _workers
+
+    config = Config.of(
+        model=str(tiny_dir), dtype="float32", page_size=4, prefill_kv_pages=64, decode_kv_pages=96, threads=2,
+        kv_canary_interval=7, prefill_batch_tokens=100, transfer_window=3, share_cores=False, admin_key="adm",
+    )  # fmt: skip
+    router = Router(bind="tcp://127.0.0.1:0")
+    with _workers(router, config) as procs:
+        assert router.wait_for_workers(1, 1, 120, alive=lambda: all(p.poll() is None for p in procs))
+        reported = {w["role"]: Config.from_json(json.dumps(w["config"])) for w in router.worker_configs()}
+    assert set(reported) == {"prefill", "decode"}
+    for role, got in reported.items():
+        assert got.cache.kv_canary_interval == 7 and got.scheduler.prefill_batch_tokens == 100
+        assert got.pd.transfer_window == 3 and got.engine.threads == 1 and got.server.admin_key is None
+        assert got.pd.router == router.addr
+        assert got == worker_configs(config, router.addr, None)[role].replace(admin_key=None)
+    assert reported["prefill"].cache.kv_pages == 64 and reported["decode"].cache.kv_pages == 96
