@@ -44,7 +44,9 @@ def add_flags(p: argparse.ArgumentParser, command: str) -> None:
             continue
         target: argparse.ArgumentParser | argparse._MutuallyExclusiveGroup = p
         if meta.get("group"):
-            target = groups.setdefault(meta["group"], p.add_mutually_exclusive_group())
+            if meta["group"] not in groups:  # made on first use: argparse refuses to print an empty group
+                groups[meta["group"]] = p.add_mutually_exclusive_group()
+            target = groups[meta["group"]]
         help_text = _help(f)
         kind = options.kind(f)
         name = flag_name(f)
@@ -61,7 +63,8 @@ def add_flags(p: argparse.ArgumentParser, command: str) -> None:
                                     default=argparse.SUPPRESS, help=f"same as --no-{name[2:]}")  # fmt: skip
             continue
         target.add_argument(name, dest=key, type=kind, default=argparse.SUPPRESS, choices=meta.get("choices"),
-                            metavar=meta.get("metavar"), help=help_text)  # fmt: skip
+                            metavar=meta.get("metavar") or (None if meta.get("choices") else f.name.upper()),
+                            help=help_text)  # fmt: skip
 
 
 def _help(f: dataclasses.Field[Any]) -> str:

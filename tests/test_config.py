@@ -194,6 +194,13 @@ def test_commands_take_only_the_flags_they_act_on():
             parse(command, *REQUIRED.get(command, []), flag, "1")
 
 
+@pytest.mark.parametrize("command", COMMANDS)
+def test_every_command_prints_its_help(command, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        parse(command, "--help")
+    assert exit_.value.code == 0 and "--config" in capsys.readouterr().out
+
+
 def test_dest_names_are_section_dot_field():
     args = parse("serve", "--max-num-seqs", "3")
     assert getattr(args, dest("scheduler", "max_num_seqs")) == 3
