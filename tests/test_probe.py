@@ -427,7 +427,7 @@ def pd_in_process(loaded, *, checks: bool, prefill_faults: Faults) -> Iterator[s
         t.start()
     try:
         assert router.wait_for_workers(1, 1, timeout=60), "workers did not register"
-        engine = AsyncEngine(RemoteEngine(router, loaded.tokenizer))  # type: ignore[arg-type]
+        engine = AsyncEngine(RemoteEngine(router, loaded.tokenizer))
         app = build_app(engine, ServerSettings("smollm2", api_keys=KEYS), ServerMetrics())
         with serve_in_thread(app) as url:
             yield url

@@ -75,8 +75,8 @@ def local_kv_source(engine: AsyncEngine, preflight: PreflightReport | None) -> K
     from kvfence.engine.llm_engine import LLMEngine
 
     local = engine.engine
-    if not isinstance(local, LLMEngine):
-        raise TypeError("a KV page map needs a local engine or a source of its own")
+    if not isinstance(local, LLMEngine):  # a front whose builder gave no source of its own has no page map
+        return no_kv_source
     mapper = KvMapper(local, name="colocated", role="colocated", preflight=preflight)
 
     async def from_engine() -> dict[str, Any]:
@@ -87,6 +87,10 @@ def local_kv_source(engine: AsyncEngine, preflight: PreflightReport | None) -> K
         return envelope("colocated", [worker], [])
 
     return from_engine
+
+
+async def no_kv_source() -> dict[str, Any]:
+    raise OpenAIError(404, "this server has no KV page map (no local engine, no source given)", code="not_found")
 
 
 def envelope(mode: str, workers: list[dict[str, Any]], errors: list[str]) -> dict[str, Any]:
