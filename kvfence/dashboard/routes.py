@@ -90,7 +90,9 @@ def local_kv_source(engine: AsyncEngine, preflight: PreflightReport | None) -> K
 
 
 async def no_kv_source() -> dict[str, Any]:
-    raise OpenAIError(404, "this server has no KV page map (no local engine, no source given)", code="not_found")
+    raise OpenAIError(
+        404, "this server has no KV page map (no local engine, no source given)", code="not_found"
+    )
 
 
 def envelope(mode: str, workers: list[dict[str, Any]], errors: list[str]) -> dict[str, Any]:
