@@ -14,7 +14,7 @@ import json
 import os
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from kvfence.faults import Faults
 from kvfence.model.fetch import DEFAULT_MODEL_PATH
@@ -36,6 +36,9 @@ from kvfence.options import (
     option,
     parse_value,
 )
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
 
 
 @dataclass(frozen=True)
@@ -405,16 +408,16 @@ def from_env(config: Config, environ: Mapping[str, str] | None = None) -> Config
     )
 
 
-S = TypeVar("S")
+S = TypeVar("S", bound="DataclassInstance")
 
 
 def _with_env(section: S, environ: Mapping[str, str]) -> S:
     """A bad value is refused naming its variable (`KVFENCE_INT8='x': ...`), never taken as the default."""
-    for f in dataclasses.fields(section):  # type: ignore[arg-type]
+    for f in dataclasses.fields(section):
         env = f.metadata.get("env")
         if env and env in environ:
             try:
-                section = dataclasses.replace(section, **{f.name: parse_value(f, environ[env])})  # type: ignore[type-var]
+                section = dataclasses.replace(section, **{f.name: parse_value(f, environ[env])})
             except ValueError as e:
                 raise ValueError(f"{env}={environ[env]!r}: {e}") from None
     return section
