@@ -125,7 +125,15 @@ def test_serve_refuses_an_empty_queue(tiny_dir, capsys):
     assert "--max-queue must be at least 1, got 0" in capsys.readouterr().err
 
 
-def test_serve_refuses_to_start_with_an_undersized_pool(tiny_dir, capsys):
+def test_serve_refuses_to_start_with_an_undersized_pool(tiny_dir, capsys, monkeypatch):
+    from kvfence.runtime import http
+
+    def started(
+        *args: object, **kw: object
+    ) -> int:  # a regression fails here instead of serving (and hanging)
+        raise AssertionError("the server started with a pool smaller than one full-context request")
+
+    monkeypatch.setattr(http, "serve_http", started)
     assert (
         main(["serve", "--model", str(tiny_dir), "--kv-pages", "8", "--page-size", "16", "--port", "1"]) == 1
     )
