@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kvfence.config import KernelOptions
-from kvfence.model.linears import OutputHead, PackedLinear
+from kvfence.model.linears import OutputHead, PackedLinear, onednn_bf16_packing
 from kvfence.model.llama import MLP, Attention, LlamaForCausalLM
 from kvfence.model.loader import load_model
 from tests.kernel_ops import kernel_ops, kernel_options
@@ -45,11 +45,19 @@ def layers_with_kernels(model: LlamaForCausalLM) -> list[object]:
     ]
 
 
+def packed_linears(model: LlamaForCausalLM) -> list[PackedLinear]:
+    """The linear layers in oneDNN's layout: all of them where oneDNN packs bfloat16 weights, none where it cannot
+    (a CPU, or an ONEDNN_MAX_CPU_ISA cap, below AVX512-BW/VL/DQ: they stay `nn.Linear` and never take blocks)."""
+    linears = [m for m in model.modules() if isinstance(m, PackedLinear)]
+    assert bool(linears) == onednn_bf16_packing()
+    return linears
+
+
 def test_kernels_off_gives_the_torch_path_everywhere(gguf_path):
     model = build(gguf_path, kernel_options(kernels=False))
     assert model.backend.ops is None and set(layers_with_kernels(model)) == {None}
-    linears = [m for m in model.modules() if isinstance(m, PackedLinear)]
-    assert linears and all(m.kernels is None and m.quant is None and m.panels is None for m in linears)
+    linears = packed_linears(model)
+    assert all(m.kernels is None and m.quant is None and m.panels is None for m in linears)
     assert model.lm_head.panels is None and model.lm_head.weight.numel() > 0
 
 
@@ -59,21 +67,23 @@ def test_kernels_on_reach_every_layer_and_the_linears_take_the_blocks(gguf_path)
     assert ops is not None and ops.lib is OPS
     assert set(map(id, layers_with_kernels(model))) == {id(ops)}
     qkv = model.model.layers[0].self_attn.qkv_proj
-    assert (qkv.panels is not None) == OPS.panel_vnni() and (qkv.quant is not None) != OPS.panel_vnni()
+    if packed_linears(model):
+        assert (qkv.panels is not None) == OPS.panel_vnni() and (qkv.quant is not None) != OPS.panel_vnni()
+    else:  # plain nn.Linear: no blocks to take
+        assert not isinstance(qkv, PackedLinear)
 
 
 def test_int8_off_gives_no_panels(gguf_path):
     model = build(gguf_path, kernel_options(kernels=True, quant_kernels=True, int8="0"))
     assert model.backend.int8 == "0" and not model.backend.int8_panels
-    linears = [m for m in model.modules() if isinstance(m, PackedLinear)]
-    assert all(m.panels is None and m.quant is not None for m in linears)
+    assert all(m.panels is None and m.quant is not None for m in packed_linears(model))
     assert model.lm_head.panels is None
 
 
 def test_quant_kernels_off_keeps_the_bfloat16_weights(gguf_path):
     model = build(gguf_path, kernel_options(kernels=True, quant_kernels=False))
     assert model.backend.ops is not None and not model.backend.takes_blocks
-    linears = [m for m in model.modules() if isinstance(m, PackedLinear)]
+    linears = packed_linears(model)
     assert all(m.panels is None and m.quant is None and m.packed_weight.numel() > 0 for m in linears)
 
 

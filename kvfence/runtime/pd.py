@@ -26,6 +26,7 @@ from kvfence.pd.router import Router
 from kvfence.runtime.process import exit_on_sigterm, parent_death_signal, reap, usable_cpus
 
 log = logging.getLogger("kvfence.pd")
+PD_ANSWER_TIMEOUT_S = 2.0  # a worker busy in a long step answers late; the page map shows who did not answer
 
 
 def cmd_router(config: Config, args: argparse.Namespace) -> int:
@@ -126,9 +127,6 @@ def serve_router(router: Router, config: Config) -> int:
         return {"mode": "pd", "config": config.to_dict(public=True), "workers": router.worker_configs()}
 
     return serve_http(remote, config, metrics, config_view=config_view, kv_source=kv_source)
-
-
-PD_ANSWER_TIMEOUT_S = 2.0  # a worker busy in a long step answers late; the page shows who did not answer
 
 
 def cmd_worker(config: Config, args: argparse.Namespace) -> int:
