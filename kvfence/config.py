@@ -267,7 +267,29 @@ class PDOptions:
         commands=WORKERS | {SERVE},
     )
     bind: str = option(
-        "tcp://0.0.0.0:7000", "control address workers connect to", commands=frozenset({ROUTER})
+        "tcp://127.0.0.1:7000",
+        "control address workers connect to (default: loopback; another host needs an address it can reach, "
+        "and cluster keys)",
+        commands=frozenset({ROUTER}),
+    )
+    cluster_keys: str | None = option(
+        None,
+        "directory of cluster keys (`kvfence keys init DIR`): CURVE on the control and data planes, only "
+        "listed keys join (docs/security.md); required unless --insecure-cluster",
+        commands=WORKERS | {ROUTER},
+        metavar="DIR",
+    )
+    cluster_key: str | None = option(
+        None,
+        "this worker's key in DIR/<role>/ (NAME.key_secret; default: the only one there)",
+        commands=WORKERS,
+        metavar="NAME",
+    )
+    insecure_cluster: bool = option(
+        False,
+        "run the cluster without keys: anyone who reaches its ports can join, read prompts and KV pages and "
+        "answer clients (a debugging aid on one trusted host; serve --mode pd: plain sockets)",
+        commands=WORKERS | {ROUTER, SERVE},
     )
     num_prefill: int = option(1, "prefill workers to wait for before serving", commands=frozenset({ROUTER}))
     num_decode: int = option(1, "decode workers to wait for before serving", commands=frozenset({ROUTER}))
@@ -303,6 +325,10 @@ class PDOptions:
         for name in ("prefill_kv_pages", "decode_kv_pages", "max_threads"):
             value = getattr(self, name)
             check(value is None or value >= 1, f"--{name.replace('_', '-')} must be at least 1, got {value}")
+        check(
+            not (self.insecure_cluster and self.cluster_keys),
+            "--insecure-cluster and --cluster-keys contradict each other: pick one",
+        )
 
 
 @dataclass(frozen=True)

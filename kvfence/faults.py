@@ -34,6 +34,13 @@ class Faults:
     # PD prefill worker: the process exits abruptly after sending its first page frame (kill -9 mid-transfer).
     die_mid_transfer: int = 0
 
+    # PD router: a request's outputs and errors are taken from any registered worker, not only the ones it was
+    # placed on (a cluster without I10's binding: a member, or a process that joined, answers for others).
+    unbound_outputs: int = 0
+    # PD prefill: a transfer's pages go to whoever presents its ticket, not only the decode worker the router
+    # named (a stolen transfer id is enough to read a tenant's KV).
+    unbound_tickets: int = 0
+
     # Prefix cache: the next request's cache keys leave out its tenant, so its pages are shared with every tenant
     # (the historical cross-tenant prefix-cache bug, a time-to-first-token side channel and a KV leak).
     shared_prefix_cache: int = 0

@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 from kvfence.engine.request import SamplingParams
-from kvfence.pd import cores
+from kvfence.pd import cores, keys
 from kvfence.pd.router import Router
 from kvfence.runtime.process import reap
 from tests.conftest import make_engine, run_all
@@ -42,13 +42,20 @@ def start_cluster(
     prefill_data: str | None = None,
     env: dict[str, str] | None = None,
     share_cores: Path | None = None,
+    secure: bool = True,
 ) -> Iterator[Router]:
     """`netns_prefill`: a command prefix (ip netns exec NS) to run the prefill workers on another host.
-    `share_cores`: a file for kvfence/pd/cores.py; the workers then step on 2 threads while alone."""
-    router = Router(bind=bind, dead_after_s=dead_after_s)
+    `share_cores`: a file for kvfence/pd/cores.py; the workers then step on 2 threads while alone.
+    `secure`: cluster keys (CURVE, I10) in a temporary directory, one key per worker; False: --insecure-cluster.
+    The router's `keys_dir` attribute names the directory (None without keys)."""
+    keys_dir = keys.ephemeral(num_prefill, num_decode) if secure else None
+    cluster_keys = keys.RouterKeys.load(keys_dir) if keys_dir else None
+    router = Router(bind=bind, dead_after_s=dead_after_s, cluster_keys=cluster_keys)
+    router.keys_dir = keys_dir  # type: ignore[attr-defined]
     # float32, as the colocated references the tests compare with (the CLI's default, auto, is bfloat16 here)
     common = ["--model", str(tiny_dir), "--router", router.addr, "--threads", "1", "--page-size", "4",
               "--dtype", "float32", "--transfer-timeout", str(transfer_timeout_s)]  # fmt: skip
+    common += ["--cluster-keys", str(keys_dir)] if keys_dir else ["--insecure-cluster"]
     common += [] if checks else ["--no-integrity-checks"]
     if share_cores is not None:
         common += ["--share-cores", str(cores.create(share_cores)), "--max-threads", "2"]
@@ -57,9 +64,11 @@ def start_cluster(
     prefill = [*netns_prefill, *worker, "prefill", *common, "--kv-pages", str(prefill_pages),
                "--transfer-window", str(window)]  # fmt: skip
     prefill += ["--data", prefill_data] if prefill_data else []
-    procs = [subprocess.Popen(prefill, env=env) for _ in range(num_prefill)]
+    named = lambda role, i: ["--cluster-key", f"{role}-{i}"] if keys_dir else []  # noqa: E731
+    procs = [subprocess.Popen([*prefill, *named("prefill", i)], env=env) for i in range(num_prefill)]
     decode = [*worker, "decode", *common, "--kv-pages", str(decode_pages)]
-    procs += [subprocess.Popen(decode, env={**env, "KVFENCE_FAULTS": ""}) for _ in range(num_decode)]
+    decode_env = {**env, "KVFENCE_FAULTS": ""}
+    procs += [subprocess.Popen([*decode, *named("decode", i)], env=decode_env) for i in range(num_decode)]
     try:
         alive = lambda: all(p.poll() is None for p in procs)  # noqa: E731
         if not router.wait_for_workers(num_prefill, num_decode, 120, alive=alive):
@@ -68,6 +77,8 @@ def start_cluster(
     finally:
         router.shutdown()
         reap(procs)
+        if keys_dir is not None:
+            keys.remove(keys_dir)
 
 
 def jobs_for(model, n: int, seed: int, prefix: str = "r") -> dict[str, list[int]]:

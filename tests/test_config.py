@@ -45,11 +45,15 @@ def other_value(f: dataclasses.Field, current):  # type: ignore[no-untyped-def]
     return f"value-of-{f.name}"
 
 
+# exclusive with kv_pages, context clamping and cluster_keys: each tested on its own
+EXCLUSIVE = ("kv_cache_memory", "allow_undersized_pool", "insecure_cluster")
+
+
 def every_field_changed() -> Config:
     nested: dict[str, dict[str, object]] = {}
     base = Config()
     for section, f in tree.all_fields():
-        if f.name in ("kv_cache_memory", "allow_undersized_pool"):  # exclusive with kv_pages / clamp
+        if f.name in EXCLUSIVE:
             continue
         nested.setdefault(section, {})[f.name] = other_value(f, getattr(getattr(base, section), f.name))
     return tree.from_dict(nested)
@@ -89,10 +93,7 @@ def test_every_flag_reaches_its_field():
         parser_args = []
         expected = {}
         for section, f in tree.all_fields():
-            if command not in f.metadata.get("commands", ()) or f.name in (
-                "kv_cache_memory",
-                "allow_undersized_pool",
-            ):
+            if command not in f.metadata.get("commands", ()) or f.name in EXCLUSIVE:
                 continue
             value = other_value(f, getattr(getattr(Config(), section), f.name))
             name = flag_name(f)
@@ -123,7 +124,7 @@ def test_a_pd_worker_gets_every_field_through_its_config_file(tmp_path):
     config = every_field_changed().replace(admin_key="s3cret")
     trees = worker_configs(config, "tcp://127.0.0.1:5555", "/dev/shm/cores")
     per_worker = {"router", "threads", "kv_pages", "kv_cache_memory", "cores_file", "max_threads", "admin_key",
-                  "api_keys"}  # fmt: skip
+                  "api_keys", "cluster_keys", "cluster_key"}  # fmt: skip
     for role, worker in trees.items():
         path = tmp_path / f"{role}.json"
         path.write_text(worker.to_json())
@@ -228,6 +229,7 @@ def test_debug_config_returns_the_effective_tree_to_the_admin_only(tiny_model):
 def test_serve_pd_workers_run_with_the_tree_they_were_sent_and_report_it_when_they_register(tiny_dir):
     """Real worker processes started as `serve --mode pd` starts them (JSON on standard input): each registers
     with the tree it runs, and values no flag was rebuilt for arrive (a field added later arrives the same way)."""
+    from kvfence.pd import keys
     from kvfence.pd.router import Router
     from kvfence.runtime.pd import _workers
 
@@ -235,14 +237,16 @@ def test_serve_pd_workers_run_with_the_tree_they_were_sent_and_report_it_when_th
         model=str(tiny_dir), dtype="float32", page_size=4, prefill_kv_pages=64, decode_kv_pages=96, threads=2,
         kv_canary_interval=7, prefill_batch_tokens=100, transfer_window=3, share_cores=False, admin_key="adm",
     )  # fmt: skip
-    router = Router(bind="tcp://127.0.0.1:0")
-    with _workers(router, config) as procs:
+    keys_dir = keys.ephemeral()
+    router = Router(bind="tcp://127.0.0.1:0", cluster_keys=keys.RouterKeys.load(keys_dir))
+    with _workers(router, config, keys_dir) as procs:
         assert router.wait_for_workers(1, 1, 120, alive=lambda: all(p.poll() is None for p in procs))
         reported = {w["role"]: Config.from_json(json.dumps(w["config"])) for w in router.worker_configs()}
+    keys.remove(keys_dir)
     assert set(reported) == {"prefill", "decode"}
     for role, got in reported.items():
         assert got.cache.kv_canary_interval == 7 and got.scheduler.prefill_batch_tokens == 100
         assert got.pd.transfer_window == 3 and got.engine.threads == 1 and got.server.admin_key is None
         assert got.pd.router == router.addr
-        assert got == worker_configs(config, router.addr, None)[role].replace(admin_key=None)
+        assert got == worker_configs(config, router.addr, None, keys_dir)[role].replace(admin_key=None)
     assert reported["prefill"].cache.kv_pages == 64 and reported["decode"].cache.kv_pages == 96

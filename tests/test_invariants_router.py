@@ -6,8 +6,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import pytest
-
 from kvfence.pd import control
 from kvfence.pd.router import RouterCore
 
@@ -52,11 +50,6 @@ def test_the_router_admits_against_the_smallest_context_and_pool():
     assert (prefill.pool_pages, decode.pool_pages) == (40, 80)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="I10 is not enforced yet: RouterCore._on_output takes a request's output "
-    "from any identity that is not its prefill worker (docs/invariants.md)",
-)
 def test_the_router_takes_output_only_from_the_workers_it_placed_the_request_on():
     from kvfence.engine.output import RequestOutput
     from kvfence.engine.request import SamplingParams
@@ -72,4 +65,4 @@ def test_the_router_takes_output_only_from_the_workers_it_placed_the_request_on(
     stranger = ({b"D", b"X"} - {placed_on}).pop()
     forged = RequestOutput(RequestId("r"), (7,), "forged", True, "stop", None, 3, 1, "forged", (7,))
     core.on_message(stranger, control.Output(forged))
-    assert seen == []
+    assert seen == [] and core.refused["not_placed_here"] == 1

@@ -158,7 +158,7 @@ class FakeTransport:
     def send_data(self, peer: Any, message: Message) -> None:
         self.data_sent.append((peer, message))
 
-    def connect(self, data_addr: str) -> Any:
+    def connect(self, data_addr: str, principal: str = "") -> Any:
         return data_addr
 
     def control_handlers(self) -> dict[type[ControlMessage], control.Handler]:

@@ -4,13 +4,15 @@ ZeroMQ frame (`{"op": ..., field: value, ...}`), decoded and type-checked field 
     op          class          direction              fields
     register    Register       worker -> router       role, fingerprint (I6), data_addr, pid, config
     registered  Registered     router -> worker       -
-    refused     Refused        router -> worker       reason
+    refused     Refused        router -> worker       reason, retry (the key is in use: try again later)
     reregister  Reregister     router -> worker       -  (a heartbeat from a worker the router does not know)
     heartbeat   Heartbeat      worker -> router       worker (its control identity), pool_free, pool, integrity_failures
     ping        Ping           router -> worker       -  (a worker exits when its router goes silent)
     shutdown    Shutdown       router -> worker       -
-    prefill     Prefill        router -> prefill      request_id, transfer_id, prompt_ids, params, tenant
-    expect      Expect         router -> decode       the same, and prefill_addr (where to send the ticket)
+    prefill     Prefill        router -> prefill      request_id, transfer_id, prompt_ids, params, tenant,
+                                                      decode_principal (who may take the pages: I10)
+    expect      Expect         router -> decode       the same, prefill_addr (where to send the ticket) and
+                                                      prefill_principal (the key that address must prove)
     abort       AbortRequest   router -> worker       request_id
     output      Output         worker -> router       output (a RequestOutput; prefill sends the first token only)
     error       RequestError   worker -> router       request_id, code, message, status (admission, prefill failure)
@@ -104,6 +106,7 @@ class Registered(ControlMessage):
 class Refused(ControlMessage):
     op: ClassVar[str] = "refused"
     reason: str
+    retry: bool = False  # the key is in use by a live worker: register again once the router has reaped it
 
 
 @_message
@@ -120,6 +123,7 @@ class Heartbeat(ControlMessage):
     pool_free: int | None = None
     pool: dict[str, Any] | None = None  # the pool's page counts (PoolStats)
     integrity_failures: int | None = None
+    refused: dict[str, int] | None = None  # what the worker refused (I10), by reason
 
 
 @_message
@@ -143,6 +147,9 @@ class Prefill(ControlMessage):
     prompt_ids: tuple[int, ...]
     params: dict[str, Any]  # SamplingParams as JSON (params_to_json); the role builds and checks them
     tenant: str = "anonymous"
+    decode_principal: str = (
+        ""  # I10: the only peer this transfer's pages may go to ("" in a cluster without keys)
+    )
 
 
 @_message
@@ -155,6 +162,7 @@ class Expect(ControlMessage):
     params: dict[str, Any]
     prefill_addr: str  # the prefill worker's data address: where the ticket goes
     tenant: str = "anonymous"
+    prefill_principal: str = ""  # I10: the prefill's public key, which its data socket must prove it holds
 
 
 @_message

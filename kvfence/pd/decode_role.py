@@ -88,6 +88,11 @@ class DecodeRole(Role):
                 return
             del self.queued[rid]
             tid = msg.transfer_id
+            try:  # first: a prefill this transport cannot reach (a missing key) reserves nothing
+                peer = self.transport.connect(msg.prefill_addr, msg.prefill_principal)
+            except ValueError as exc:
+                self._fail(rid, "worker_unavailable", str(exc))
+                continue
             try:
                 ticket = self.rx.reserve(tid, rid, num_pages)
             except PoolExhausted as exc:  # not after can_allocate; kept so a surprise fails one request
@@ -96,7 +101,6 @@ class DecodeRole(Role):
             except ValueError as exc:  # a reused transfer id: a metadata collision, never trusted (bug 4)
                 self._fail(rid, "kv_integrity_error", str(exc))
                 continue
-            peer = self.transport.connect(msg.prefill_addr)
             self.incoming[tid] = _Incoming(rid, peer, self.clock())
             self.transport.send_data(peer, ticket)
 

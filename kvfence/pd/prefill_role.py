@@ -11,7 +11,7 @@ import logging
 import os
 import time
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from kvfence.config import PDOptions
@@ -58,6 +58,10 @@ class _Prefill:
     prefilled: Request | None = None  # handed off by the engine, the sender not started (no ticket yet)
     prefilled_at: float = 0.0  # when: a ticket that does not come within transfer_timeout_s ends it
     out: _Outgoing | None = None  # decode's ticket, from its arrival to release
+    # I10: the decode worker the router named (set at admission; "" in a cluster without keys). Tickets that
+    # come before admission wait in `unverified` until it is known.
+    decode_principal: str | None = None
+    unverified: list[_Outgoing] = field(default_factory=list)
 
     def empty(self) -> bool:
         return (
@@ -65,6 +69,7 @@ class _Prefill:
             and self.first_logprobs is None
             and self.prefilled is None
             and self.out is None
+            and not self.unverified
         )
 
 
@@ -99,8 +104,31 @@ class PrefillRole(Role):
             del self.requests[rid]
 
     def on_prefill(self, msg: control.Prefill) -> None:
-        if self.admit(msg) is not None:
-            self._state(msg.request_id).transfer_id = msg.transfer_id
+        if self.admit(msg) is None:
+            return
+        state = self._state(msg.request_id)
+        state.transfer_id, state.decode_principal = msg.transfer_id, msg.decode_principal
+        waiting, state.unverified = state.unverified, []
+        for o in waiting:  # tickets that came first: the one from the named decode worker goes ahead
+            if state.out is None and self._ticket_allowed(state, o.peer, o.ticket):
+                state.out = o
+        if state.out is not None:
+            self._try_start(msg.request_id)
+
+    def _ticket_allowed(self, state: _Prefill, peer: Any, ticket: Ticket) -> bool:
+        """I10: a transfer's pages go only to the decode worker the router named for it, as the transport
+        authenticated it, and only for the transfer the router gave this request."""
+        if ticket.transfer_id != state.transfer_id:
+            reason = "wrong_transfer"
+        elif state.decode_principal and self.transport.principal(peer) != state.decode_principal:
+            reason = "not_the_named_decode_worker"
+        else:
+            return True
+        if self.engine.faults.fire("unbound_tickets"):
+            return True
+        self.refused[reason] += 1
+        log.warning("refused a ticket for request %s: %s", ticket.request_id, reason)
+        return False
 
     def admit_request(self, msg: Routed, params: SamplingParams) -> Request:
         return self.engine.add_request(
@@ -133,8 +161,10 @@ class PrefillRole(Role):
             self.transport.send_data(peer, Abort(ticket.transfer_id, "aborted"))
         elif state is not None and state.out is not None:  # a duplicate never replaces a running sender
             log.warning("ignored a second ticket for request %s (transfer %s)", rid, ticket.transfer_id)
-        else:
-            self._state(rid).out = _Outgoing(peer, ticket, self.clock())
+        elif state is None or state.decode_principal is None:  # before admission: checked once it comes
+            self._state(rid).unverified.append(_Outgoing(peer, ticket, self.clock()))
+        elif self._ticket_allowed(state, peer, ticket):
+            state.out = _Outgoing(peer, ticket, self.clock())
             self._try_start(rid)
 
     def _forget(self, rid: RequestId) -> None:
@@ -152,6 +182,7 @@ class PrefillRole(Role):
         if state is None:
             return
         tid, state.transfer_id, state.first_logprobs = state.transfer_id, None, None
+        state.unverified = []
         self._prune(rid)
         if tid is None:
             return
@@ -210,6 +241,10 @@ class PrefillRole(Role):
                 state.out = None
                 self.transport.send_data(o.peer, Abort(o.ticket.transfer_id, "timeout"))
                 self._forget(rid)
+        for rid, state in list(self.requests.items()):  # tickets for a request never admitted here
+            if state.unverified and state.decode_principal is None:
+                state.unverified = [o for o in state.unverified if o.since >= deadline]
+                self._prune(rid)
         waiting = [
             rid for rid, s in self.requests.items() if s.prefilled is not None and s.prefilled_at < deadline
         ]

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -46,7 +47,8 @@ class Transport(Protocol):
 
     def send_control(self, message: ControlMessage) -> None: ...
     def send_data(self, peer: Any, message: Message) -> None: ...
-    def connect(self, data_addr: str) -> Any: ...  # decode: the handle for a prefill's data address
+    def connect(self, data_addr: str, principal: str = "") -> Any: ...  # decode: a prefill's data address
+    def principal(self, peer: Any) -> str: ...  # who the transport authenticated behind `peer` ("" if nobody)
 
     def control_handlers(self) -> dict[type[ControlMessage], control.Handler]:
         """The control messages the transport answers itself (registration, liveness, operator questions)."""
@@ -62,6 +64,7 @@ class Role:
         self.clock = clock
         handlers = {**transport.control_handlers(), **self.control_handlers()}
         self.control = control.Dispatch(f"{self.name} worker", handlers)
+        self.refused: Counter[str] = Counter()  # what the I10 binding refused, by reason (heartbeats)
 
     def control_handlers(self) -> dict[type[ControlMessage], control.Handler]:
         """The role's own control messages: routed requests (per role) and aborts."""

@@ -8,6 +8,7 @@ thread, read by the caller.
 from __future__ import annotations
 
 import itertools
+import logging
 import queue
 import threading
 import time
@@ -20,9 +21,12 @@ import zmq
 from kvfence.engine.request import SamplingParams
 from kvfence.faults import Faults
 from kvfence.ids import RequestId
-from kvfence.pd import control
+from kvfence.pd import control, keys
 from kvfence.pd.control import ControlMessage
 from kvfence.pd.router_core import NoWorkers, OnOutput, RouterCore, WorkerInfo
+
+log = logging.getLogger("kvfence.pd.router")
+RELOAD_S = 1.0  # the keys directory is re-read this often: a removed key drops its worker within a second
 
 __all__ = ["NoWorkers", "OnOutput", "Router", "RouterCore", "WorkerInfo"]
 
@@ -45,11 +49,25 @@ class Router(RouterCore):
         ctx: zmq.Context[Any] | None = None,
         dead_after_s: float = 5.0,
         faults: Faults | None = None,
+        cluster_keys: keys.RouterKeys | None = None,
     ) -> None:
-        super().__init__(dead_after_s, faults)
-        self.ctx = ctx or zmq.Context.instance()
+        """`cluster_keys`: CURVE on the control plane, workers admitted by the keys directory's allowlists
+        (I10); None only for a cluster run with --insecure-cluster (and tests of the protocol itself)."""
+        super().__init__(dead_after_s, faults, roles=cluster_keys.allowed() if cluster_keys else None)
+        # with keys, a context of its own: ZAP (who may connect) is per context, and this router owns it
+        self._own_ctx = ctx is None and cluster_keys is not None
+        self.ctx = ctx or (zmq.Context() if self._own_ctx else zmq.Context.instance())
+        self.keys = cluster_keys
         self.socket = self.ctx.socket(zmq.ROUTER)
         self.socket.setsockopt(zmq.LINGER, 0)
+        self.gate: keys.Gate | None = None
+        self.handshakes: keys.Handshakes | None = None
+        if cluster_keys is not None:
+            self.gate = keys.Gate(self.ctx)
+            self.gate.accept(keys.CONTROL_DOMAIN, lambda: self.roles or {})
+            keys.serve_curve(self.socket, cluster_keys.own, keys.CONTROL_DOMAIN)
+            self.handshakes = keys.Handshakes(self.socket)
+        self.principal = cluster_keys.own.principal if cluster_keys else ""
         host = bind.rsplit(":", 1)[0]
         if bind.endswith(":0"):
             self.addr = f"{host}:{self.socket.bind_to_random_port(host)}"
@@ -65,6 +83,7 @@ class Router(RouterCore):
         self._work: queue.Queue[Callable[[], None]] = queue.Queue()
         self._registered = threading.Condition()
         self._last_ping = 0.0
+        self._last_reload = time.monotonic()
         self._running = True
         self._polls: dict[int, _Poll] = {}  # I/O thread only
         self._nonces = itertools.count(1)
@@ -137,6 +156,10 @@ class Router(RouterCore):
                     if i not in poll.answers]  # fmt: skip
         return answers, late
 
+    def reload_keys(self) -> None:
+        """Re-read the keys directory now (SIGHUP); the I/O thread also does every RELOAD_S."""
+        self._post(self._reload_keys)
+
     def shutdown(self) -> None:
         def stop() -> None:
             for identity in self.workers:
@@ -145,9 +168,15 @@ class Router(RouterCore):
 
         self._post(stop)
         self._thread.join(timeout=10)
+        if self.handshakes is not None:
+            self.handshakes.close()
         self.socket.close(linger=1000)  # let the shutdown messages reach the workers
         for sock in (self._wake_rx, self._wake_tx):
             sock.close(0)
+        if self.gate is not None:
+            self.gate.stop()
+        if self._own_ctx:
+            self.ctx.term()
 
     def _post(self, fn: Callable[[], None]) -> None:
         self._work.put(fn)
@@ -167,17 +196,51 @@ class Router(RouterCore):
         poller = zmq.Poller()
         poller.register(self.socket, zmq.POLLIN)
         poller.register(self._wake_rx, zmq.POLLIN)
+        if self.handshakes is not None:
+            poller.register(self.handshakes.monitor, zmq.POLLIN)
         while self._running:
-            for sock, _ in poller.poll(timeout=int(self.dead_after_s * 250)):
+            for sock, _ in poller.poll(timeout=int(min(self.dead_after_s * 250, RELOAD_S * 1000))):
                 if sock is self._wake_rx:
                     self._wake_rx.recv()
                     while not self._work.empty():
                         self._work.get_nowait()()
-                else:
-                    identity, frame = self.socket.recv_multipart()
-                    self.on_frame(identity, frame)
+                elif sock is self.socket:
+                    self._receive()
+                elif self.handshakes is not None:
+                    self.handshakes.drain()
             self.reap_dead_workers()
             self._ping_workers()
+            if time.monotonic() - self._last_reload >= RELOAD_S:
+                self._reload_keys()
+
+    def _receive(self) -> None:
+        frames = self.socket.recv_multipart(copy=False)
+        if len(frames) != 2:
+            self.control.num_malformed += 1
+            return
+        # I10: with keys, who sent it is what CURVE authenticated (ZAP's User-Id), never a field in the message
+        principal = keys.principal_of(frames[1]) if self.keys is not None else ""
+        self.on_frame(frames[0].bytes, frames[1].bytes, principal)
+
+    def _reload_keys(self) -> None:
+        self._last_reload = time.monotonic()
+        if self.keys is None:
+            return
+        try:
+            allowed = self.keys.allowed()
+        except keys.KeyFileError as exc:  # keep the last good allowlist; the operator sees why
+            log.error("cluster keys: %s; keeping the previous allowlist", exc)
+            return
+        if allowed != self.roles:
+            log.warning("cluster keys: allowlist changed (%d keys)", len(allowed))
+            self.revoke(allowed)
+
+    def connection_counts(self) -> dict[str, int]:
+        """Refused connections on the control plane: handshakes that failed (no CURVE, a wrong router key:
+        `protocol`; a key not in the allowlist: `auth`), for /metrics."""
+        if self.handshakes is None:
+            return {}
+        return dict(self.handshakes.failed)
 
     def control_handlers(self) -> dict[type[ControlMessage], control.Handler]:
         return {
@@ -186,9 +249,11 @@ class Router(RouterCore):
             control.Checked: self._on_answer,
         }
 
-    def _on_answer(self, msg: control.DebugKv | control.Checked, identity: bytes) -> None:
+    def _on_answer(
+        self, msg: control.DebugKv | control.Checked, identity: bytes, principal: str = ""
+    ) -> None:
         poll = self._polls.get(msg.nonce)
-        if poll is None:  # its asker stopped waiting
+        if poll is None or identity not in poll.waiting:  # its asker stopped waiting, or not asked
             return
         with poll.lock:
             poll.answers[identity] = msg

@@ -4,6 +4,13 @@ placement, and fan-in of outputs. Control messages and clock ticks in, control m
 The ZeroMQ `Router` (kvfence/pd/router.py) puts this behind a socket and an I/O thread; the deterministic
 simulator (kvfence/sim) drives it directly. Messages from workers go through one dispatch table
 (`control_handlers`); whatever it cannot use is counted on `control` (a `control.Dispatch`) and dropped.
+
+I10 (docs/invariants.md) on the router: every message arrives with its sender's *principal*, the identity the
+transport authenticated (the CURVE public key; the simulator's node name; "" in a cluster without keys). A
+worker registers only in the role its principal is allowed (`roles`), one live worker per principal; a
+heartbeat counts only for a worker of the same principal; a request's outputs and errors count only from the
+decode worker it was placed on, its first token only from its prefill worker. Everything else is dropped and
+counted by reason (`refused`), and changes nothing.
 """
 
 from __future__ import annotations
@@ -12,7 +19,8 @@ import itertools
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -44,6 +52,8 @@ class WorkerInfo:
     health: dict[str, Any] = field(default_factory=dict)  # the latest heartbeat: pool page counts, failures
     pid: int | None = None  # for operators' logs (and tests that kill a worker)
     config: dict[str, Any] = field(default_factory=dict)  # the worker's public configuration tree (register)
+    principal: str = ""  # who the transport authenticated (a CURVE public key, z85); "" without keys
+    name: str = ""  # the principal's name in the keys directory (operators' logs and metrics)
 
 
 @dataclass
@@ -85,7 +95,11 @@ class RouterCore:
         faults: Faults | None = None,
         clock: Callable[[], float] = time.monotonic,
         tid_prefix: int | None = None,
+        roles: Mapping[str, tuple[str, str]] | None = None,
     ) -> None:
+        # principal -> (role, name) it may register as; None: a cluster without keys (--insecure-cluster)
+        self.roles = roles
+        self.refused: Counter[str] = Counter()  # messages dropped by the I10 binding, by reason
         self.dead_after_s = dead_after_s  # no heartbeat for this long: the worker is gone
         self.faults = faults or Faults()
         self.clock = clock
@@ -159,8 +173,9 @@ class RouterCore:
         tid = self._last_tid if self._last_tid and self.faults.fire("reuse_transfer_id") else next(self._tids)
         self._last_tid = tid
         prompt, body = tuple(ids), control.params_to_json(params)
-        self._send(d.identity, control.Expect(rid, TransferId(tid), prompt, body, p.data_addr, tenant))
-        self._send(p.identity, control.Prefill(rid, TransferId(tid), prompt, body, tenant))
+        expect = control.Expect(rid, TransferId(tid), prompt, body, p.data_addr, tenant, p.principal)
+        self._send(d.identity, expect)
+        self._send(p.identity, control.Prefill(rid, TransferId(tid), prompt, body, tenant, d.principal))
 
     def cancel(self, rid: RequestId) -> None:
         """The client went away: both sides abort the request (by request id)."""
@@ -172,24 +187,39 @@ class RouterCore:
 
     # ---- messages from workers, and time --------------------------------------------------------------
 
-    def on_frame(self, identity: bytes, frame: bytes) -> None:
-        """A control frame from `identity`: decoded and dispatched, or counted and dropped."""
+    def on_frame(self, identity: bytes, frame: bytes, principal: str = "") -> None:
+        """A control frame from `identity`, authenticated as `principal`: decoded and dispatched, or counted
+        and dropped."""
         message = self.control.decode(frame)
         if message is not None:
-            self.on_message(identity, message)
+            self.on_message(identity, message, principal)
 
-    def on_message(self, identity: bytes, message: ControlMessage) -> None:
-        if identity in self.workers:
-            self.workers[identity].last_seen = self.clock()
-        self.control(message, identity)
+    def on_message(self, identity: bytes, message: ControlMessage, principal: str = "") -> None:
+        worker = self.workers.get(identity)
+        if worker is not None and worker.principal != principal:
+            return self.refuse("identity_mismatch", message)  # a registered connection, another principal
+        if self.roles is not None and principal not in self.roles:
+            return self.refuse("unknown_principal", message)  # not (or no longer) in the allowlist
+        if worker is None and not isinstance(message, control.Register | control.Heartbeat):
+            return self.refuse("unregistered", message)
+        if worker is not None:
+            worker.last_seen = self.clock()
+        self.control(message, identity, principal)
 
-    def _on_output(self, msg: control.Output, sender: bytes) -> None:
+    def refuse(self, reason: str, message: ControlMessage) -> None:
+        """Drop a message the I10 binding does not allow; counted by reason (for /metrics)."""
+        self.refused[reason] += 1
+        log.warning("router: dropped a %r message: %s", message.op, reason)
+
+    def _on_output(self, msg: control.Output, sender: bytes, principal: str = "") -> None:
         out = msg.output
         routed = self._routed.get(out.request_id)
         if routed is None or routed.done:
-            return
-        if sender == routed.prefill and (out.finished or out.num_output_tokens != 1):
-            return  # a prefill worker speaks for the first token only; the rest is decode's
+            return self.refuse("unknown_request", msg)
+        first = sender == routed.prefill and not out.finished and out.num_output_tokens == 1
+        if sender != routed.decode and not first and not self.faults.fire("unbound_outputs"):
+            # I10: the decode worker it was placed on speaks for a request; its prefill for the first token only
+            return self.refuse("not_placed_here", msg)
         out = _unseen(routed, out)
         routed.done = out.finished
         routed.on_output(out)
@@ -200,35 +230,69 @@ class RouterCore:
             # it. By request id, never by transfer id, which a collision could share (finding 2).
             self._send(routed.prefill, control.AbortRequest(out.request_id))
 
-    def _on_heartbeat(self, msg: control.Heartbeat, sender: bytes) -> None:
-        """Heartbeats come from each worker's own heartbeat socket and name the worker's control identity."""
+    def _on_heartbeat(self, msg: control.Heartbeat, sender: bytes, principal: str = "") -> None:
+        """Heartbeats come from each worker's own heartbeat socket and name the worker's control identity; they
+        count only from the principal that worker registered as (one member cannot speak for another)."""
         try:
             identity = bytes.fromhex(msg.worker)
         except ValueError:
-            return
+            return self.refuse("malformed_heartbeat", msg)
         worker = self.workers.get(identity)
         if worker is None:  # alive after all (or the router restarted): ask it to register again
-            self._send(identity, control.Reregister())
+            if identity not in self.workers and self._known_principal(principal):
+                self._send(identity, control.Reregister())
             return
+        if worker.principal != principal:
+            return self.refuse("heartbeat_for_another_worker", msg)
         worker.last_seen = self.clock()
         worker.pool_free = msg.pool_free
-        health = {"pool": msg.pool, "integrity_failures": msg.integrity_failures}
+        health = {"pool": msg.pool, "integrity_failures": msg.integrity_failures, "refused": msg.refused}
         worker.health = {k: v for k, v in health.items() if v is not None}
 
     def reap_dead_workers(self) -> None:
         """A worker that went silent is gone: its requests fail (503 to clients), the surviving side of each is
         told to abort (revoking its reservations), and placement skips it from now on."""
         now = self.clock()
-        dead = [w for w in self.workers.values() if now - w.last_seen > self.dead_after_s]
-        for w in dead:
+        for w in [w for w in self.workers.values() if now - w.last_seen > self.dead_after_s]:
             log.error("%s worker %s missed its heartbeats; failing its requests", w.role, w.data_addr or "")
-            del self.workers[w.identity]
-            self._workers_changed()
-            for rid, routed in list(self._routed.items()):
-                if w.identity in (routed.prefill, routed.decode):
-                    self._on_error(w.identity, rid, "worker_unavailable")
+            self._drop_worker(w)
 
-    def _register(self, msg: control.Register, identity: bytes) -> None:
+    def revoke(self, roles: Mapping[str, tuple[str, str]]) -> None:
+        """A new allowlist (the keys directory re-read): a worker whose key left it is dropped at once, as a
+        dead one is; its requests fail with `worker_unavailable`, and whatever it sends later is refused."""
+        self.roles = roles
+        for w in [w for w in self.workers.values() if roles.get(w.principal, ("",))[0] != w.role]:
+            log.error("%s worker %r: its key was revoked; failing its requests", w.role, w.name)
+            self._send(w.identity, control.Shutdown())
+            self._drop_worker(w)
+
+    def _drop_worker(self, w: WorkerInfo) -> None:
+        del self.workers[w.identity]
+        self._workers_changed()
+        for rid, routed in list(self._routed.items()):
+            if w.identity in (routed.prefill, routed.decode):
+                self._on_error(w.identity, rid, "worker_unavailable")
+
+    def _known_principal(self, principal: str) -> bool:
+        return self.roles is None or principal in self.roles
+
+    def _register(self, msg: control.Register, identity: bytes, principal: str = "") -> None:
+        if identity in self.workers:  # a second registration on a registered connection: nothing changes
+            return self.refuse("duplicate_registration", msg)
+        name = ""
+        if self.roles is not None:
+            role, name = self.roles.get(principal, ("", ""))
+            if role != msg.role:
+                reason = f"this cluster key may register as {role or 'nothing'}, not as {msg.role}"
+                self.refuse("role_not_allowed", msg)
+                self._send(identity, control.Refused(reason))
+                return
+            holder = next((w for w in self.workers.values() if w.principal == principal), None)
+            if holder is not None:  # one live worker per key: a second process with it waits for the first
+                self.refuse("key_in_use", msg)
+                reason = f"key {name!r} is in use by {holder.role} worker pid {holder.pid}"
+                self._send(identity, control.Refused(reason, retry=True))
+                return
         fp = msg.fingerprint
         for other in self.workers.values():
             if (
@@ -240,8 +304,9 @@ class RouterCore:
                 self._send(identity, control.Refused(reason))
                 return
         info = WorkerInfo(
-            identity, msg.role, fp, msg.data_addr, self.clock(), pid=msg.pid, config=dict(msg.config)
-        )
+            identity, msg.role, fp, msg.data_addr, self.clock(), pid=msg.pid, config=dict(msg.config),
+            principal=principal, name=name,
+        )  # fmt: skip
         self.workers[identity] = info
         self._workers_changed()
         log.info("registered %s worker %s", msg.role, fp)
@@ -260,7 +325,12 @@ class RouterCore:
             for w in list(self.workers.values())
         ]
 
-    def _on_request_error(self, msg: control.RequestError, identity: bytes) -> None:
+    def _on_request_error(self, msg: control.RequestError, identity: bytes, principal: str = "") -> None:
+        routed = self._routed.get(msg.request_id)
+        if routed is None:
+            return self.refuse("unknown_request", msg)
+        if identity not in (routed.prefill, routed.decode) and not self.faults.fire("unbound_outputs"):
+            return self.refuse("not_placed_here", msg)  # I10: only the request's own workers can end it
         self._on_error(identity, msg.request_id, msg.code)
 
     def _on_error(self, identity: bytes, rid: RequestId, code: str) -> None:

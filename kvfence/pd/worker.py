@@ -27,7 +27,7 @@ from kvfence.dashboard.snapshot import KvMapper
 from kvfence.engine.llm_engine import LLMEngine
 from kvfence.engine.loop import IdleTrim
 from kvfence.engine.preflight import PreflightReport
-from kvfence.pd import control, wire
+from kvfence.pd import control, keys, wire
 from kvfence.pd.control import ControlMessage
 from kvfence.pd.cores import CoreShare
 from kvfence.pd.decode_role import DecodeRole
@@ -42,6 +42,8 @@ HEARTBEAT_S = 0.5  # the router declares a worker dead after several missed hear
 HEALTH_REFRESH_S = 0.1  # how stale a heartbeat's pool counts may be
 ROUTER_SILENCE_S = 15.0  # a registered worker whose router has said nothing for this long exits
 REGISTRATION_WAIT_S = 600.0  # a worker no router has accepted for this long exits (its router is gone)
+REGISTER_RETRY_S = 1.0  # after a "key in use" refusal
+SILENT_ROUTER_HINT_S = 10.0  # unregistered and nothing heard for this long: say what may be wrong, once
 
 
 def fingerprint(engine: LLMEngine) -> dict[str, Any]:
@@ -63,6 +65,7 @@ class Worker:
     preflight: PreflightReport | None = None  # this worker's I6 verdict, set by its launcher (the page map)
     _kv_map: KvMapper | None = None
     role: Role
+    handshakes: keys.Handshakes | None = None  # failed handshakes on a prefill's data socket
 
     def __init__(
         self,
@@ -73,15 +76,19 @@ class Worker:
         config: Mapping[str, Any] | None = None,
         ctx: zmq.Context[Any] | None = None,
         cores: CoreShare | None = None,
+        cluster_keys: keys.WorkerKeys | None = None,
     ) -> None:
+        """`cluster_keys`: CURVE on both planes, the router proven by its public key (I10); None only with
+        --insecure-cluster (and tests of the protocol itself)."""
         self.engine = engine
+        self.keys = cluster_keys
         self.options = options or PDOptions()
         self.config = dict(config or {})
         self.cores = cores  # threads per step follow the other workers on this host (kvfence/pd/cores.py)
-        self.ctx = ctx or zmq.Context.instance()
+        self._own_ctx = ctx is None and cluster_keys is not None  # ZAP is per context: ours alone
+        self.ctx = ctx or (zmq.Context() if self._own_ctx else zmq.Context.instance())
         self.identity = uuid.uuid4().bytes
-        self.control = self.ctx.socket(zmq.DEALER)
-        self.control.setsockopt(zmq.LINGER, 0)
+        self.control = self._router_socket()
         self.control.setsockopt(zmq.IDENTITY, self.identity)
         self.control.connect(router_addr)
         self.router_addr = router_addr
@@ -93,6 +100,8 @@ class Worker:
         self.running = True
         self.registered = False
         self.last_router_msg = time.monotonic()
+        self._register_at: float | None = None
+        self._hinted = False
 
     def serve(self) -> None:
         self._register()
@@ -108,6 +117,7 @@ class Worker:
                 for sock, _ in self.poller.poll(0 if steppable else IDLE_POLL_MS):
                     self._drain(sock)  # before the silence check: pings queued during a long step count
                 silence = ROUTER_SILENCE_S if self.registered else REGISTRATION_WAIT_S
+                self._registration_chores()
                 if time.monotonic() - self.last_router_msg > silence:
                     log.error(
                         "%s worker: the router has been silent for %.0f s; exiting", self.role.name, silence
@@ -138,16 +148,45 @@ class Worker:
             pool_free=stats["num_free"],
             pool=stats,
             integrity_failures=self.engine.stats.integrity_failures,
+            refused=self.refused_counts(),
         )
+
+    def refused_counts(self) -> dict[str, int]:
+        """What this worker refused (I10), by reason: tickets from the wrong decode worker, failed handshakes
+        on its data socket."""
+        return dict(self.role.refused) if hasattr(self, "role") else {}  # (no role yet: from __init__)
 
     def _register(self, _: control.Reregister | None = None) -> None:
         fp = fingerprint(self.engine)
         self.send_control(control.Register(self.role.name, fp, self.data_addr, os.getpid(), self.config))
 
-    def _heartbeats(self) -> None:
-        """Its own thread and socket, so a long forward step (a 2,000-token prefill) never looks like death."""
-        sock = self.ctx.socket(zmq.DEALER)
+    def _router_socket(self) -> zmq.Socket[Any]:
+        """A DEALER to the router: with keys, only a peer holding the router's secret key completes the
+        handshake, so every control message this worker obeys comes from its router (I10)."""
+        sock: zmq.Socket[Any] = self.ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
+        if self.keys is not None:
+            keys.connect_curve(sock, self.keys.own, self.keys.router.principal)
+        return sock
+
+    def _registration_chores(self) -> None:
+        now = time.monotonic()
+        if self._register_at is not None and now >= self._register_at:
+            self._register_at = None
+            self._register()
+        if not self.registered and not self._hinted and now - self.last_router_msg > SILENT_ROUTER_HINT_S:
+            self._hinted = True
+            log.warning(
+                "%s worker: no answer from the router at %s after %.0f s. Is it up, and do both sides use "
+                "the same cluster keys (or both --insecure-cluster)? A key the router does not list, or the "
+                "wrong router.key, fails the handshake silently (the router counts it in /metrics).",
+                self.role.name, self.router_addr, SILENT_ROUTER_HINT_S,
+            )  # fmt: skip
+
+    def _heartbeats(self) -> None:
+        """Its own thread and socket, so a long forward step (a 2,000-token prefill) never looks like death.
+        With keys it speaks as the same principal as the control socket, which is what the router checks."""
+        sock = self._router_socket()
         sock.connect(self.router_addr)
         stop = threading.Event()
         while self.running and not stop.wait(HEARTBEAT_S):
@@ -164,7 +203,7 @@ class Worker:
                 self.last_router_msg = time.monotonic()
                 self.role.on_control_frame(frames[0])
                 continue
-            peer, body = (frames[0], frames[1:]) if sock is self.data_socket() else (sock, frames)
+            peer, body = self.data_peer(sock, frames)
             try:
                 message = wire.decode(body)
             except wire.WireError as exc:
@@ -187,6 +226,10 @@ class Worker:
         }
 
     def _on_refused(self, msg: control.Refused) -> None:
+        if msg.retry:  # our key's previous holder (this worker before a restart) is not reaped yet
+            log.warning("router: %s; registering again in %.0f s", msg.reason, REGISTER_RETRY_S)
+            self._register_at = time.monotonic() + REGISTER_RETRY_S
+            return
         log.error("router refused %s worker: %s", self.role.name, msg.reason)
         self.running = False
 
@@ -238,16 +281,25 @@ class Worker:
     def send_data(self, peer: Any, message: Message) -> None:
         raise NotImplementedError
 
-    def connect(self, data_addr: str) -> Any:
+    def connect(self, data_addr: str, principal: str = "") -> Any:
         raise NotImplementedError
 
     def data_socket(self) -> zmq.Socket[Any] | None:
         return None
 
+    def data_peer(self, sock: zmq.Socket[Any], frames: list[bytes]) -> tuple[Any, list[bytes]]:
+        """(the peer handle, the message's frames) of what arrived on a data socket."""
+        return sock, frames
+
+    def principal(self, peer: Any) -> str:
+        return ""
+
     def close(self) -> None:
         self.control.close(0)
         if self.cores is not None:
             self.cores.close()
+        if self._own_ctx:
+            self.ctx.term()
 
 
 class PrefillWorker(Worker):
@@ -263,6 +315,13 @@ class PrefillWorker(Worker):
         self.role = PrefillRole(engine, self, self.options)
         self.data: zmq.Socket[Any] = self.ctx.socket(zmq.ROUTER)
         self.data.setsockopt(zmq.LINGER, 0)
+        self.gate: keys.Gate | None = None
+        if self.keys is not None:  # only decode workers' keys connect (re-read per connection: revocation)
+            self.gate = keys.Gate(self.ctx)
+            self.gate.accept(keys.DATA_DOMAIN, self.keys.decode_allowed)
+            keys.serve_curve(self.data, self.keys.own, keys.DATA_DOMAIN)
+            self.handshakes = keys.Handshakes(self.data)
+            self.poller.register(self.handshakes.monitor, zmq.POLLIN)
         host, _, port = data_addr.rpartition(":")
         if port == "0":  # any free port; tell the router which one
             self.data_addr = f"{host}:{self.data.bind_to_random_port(host)}"
@@ -274,11 +333,52 @@ class PrefillWorker(Worker):
     def data_socket(self) -> zmq.Socket[Any] | None:
         return self.data
 
+    def data_peer(self, sock: zmq.Socket[Any], frames: list[bytes]) -> tuple[Any, list[bytes]]:
+        return frames[0], frames[1:]
+
+    def _drain(self, sock: zmq.Socket[Any]) -> None:
+        if self.handshakes is not None and sock is self.handshakes.monitor:
+            self.handshakes.drain()
+        elif sock is self.data and self.keys is not None:
+            self._drain_authenticated()
+        else:
+            super()._drain(sock)
+
+    def _drain_authenticated(self) -> None:
+        """Data messages with the principal CURVE authenticated for their connection: the peer handle is
+        (routing id, principal), and a ticket is honoured only from the decode worker the router named."""
+        while self.running:
+            try:
+                frames = self.data.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            peer = (frames[0].bytes, keys.principal_of(frames[-1]))
+            try:
+                message = wire.decode([f.bytes for f in frames[1:]])
+            except wire.WireError as exc:
+                log.warning("dropped malformed data message: %s", exc)
+                continue
+            self.role.on_message(peer, message)
+
+    def principal(self, peer: Any) -> str:
+        return str(peer[1]) if isinstance(peer, tuple) else ""
+
     def send_data(self, peer: Any, message: Message) -> None:
-        self.data.send_multipart([peer, *wire.encode(message)], copy=True)
+        route = peer[0] if isinstance(peer, tuple) else peer
+        self.data.send_multipart([route, *wire.encode(message)], copy=True)
+
+    def refused_counts(self) -> dict[str, int]:
+        counts = super().refused_counts()
+        if self.handshakes is not None:
+            counts.update({f"handshake_{k}": v for k, v in self.handshakes.failed.items()})
+        return counts
 
     def close(self) -> None:
+        if self.handshakes is not None:
+            self.handshakes.close()
         self.data.close(0)
+        if self.gate is not None:
+            self.gate.stop()
         super().close()
 
 
@@ -292,16 +392,23 @@ class DecodeWorker(Worker):
     ) -> None:
         super().__init__(engine, router_addr, options, **kw)
         self.role = DecodeRole(engine, self, self.options)
-        self.peers: dict[str, zmq.Socket[Any]] = {}  # prefill data address -> our DEALER to it
+        # (prefill data address, its public key) -> our DEALER to it
+        self.peers: dict[tuple[str, str], zmq.Socket[Any]] = {}
 
-    def connect(self, data_addr: str) -> Any:
-        sock = self.peers.get(data_addr)
+    def connect(self, data_addr: str, principal: str = "") -> Any:
+        """Our socket to a prefill's data address. With keys, the router names the prefill's public key and
+        the handshake proves the other end holds its secret: KV comes only from the prefill the router chose."""
+        if self.keys is not None and len(principal) != 40:
+            raise ValueError(f"no valid public key for the prefill worker at {data_addr}")
+        sock = self.peers.get((data_addr, principal))
         if sock is None:
             sock = self.ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
+            if self.keys is not None:
+                keys.connect_curve(sock, self.keys.own, principal)
             sock.connect(data_addr)
             self.poller.register(sock, zmq.POLLIN)
-            self.peers[data_addr] = sock
+            self.peers[(data_addr, principal)] = sock
         return sock
 
     def send_data(self, peer: Any, message: Message) -> None:

@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -21,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from kvfence.config import Config
-from kvfence.pd import cores
+from kvfence.pd import cores, keys
 from kvfence.pd.router import Router
 from kvfence.runtime.process import exit_on_sigterm, parent_death_signal, reap, usable_cpus
 
@@ -29,9 +30,54 @@ log = logging.getLogger("kvfence.pd")
 PD_ANSWER_TIMEOUT_S = 2.0  # a worker busy in a long step answers late; the page map shows who did not answer
 
 
+class NoClusterKeys(Exception):
+    """Exit 2: a router or worker without keys and without --insecure-cluster, or a bad keys directory."""
+
+
+def no_keys_message(command: str) -> str:
+    return (
+        f"kvfence {command}: no cluster keys. A PD cluster authenticates its members and encrypts prompts and "
+        "KV pages with ZeroMQ CURVE: run `kvfence keys init DIR` once, give every host its keys "
+        "(docs/security.md), and start the router and every worker with --cluster-keys DIR. "
+        "--insecure-cluster runs without them (anyone who reaches the ports can join)."
+    )
+
+
+def router_keys(config: Config) -> keys.RouterKeys | None:
+    """The router's keys, None with --insecure-cluster (warned about at every start); raises NoClusterKeys."""
+    if config.pd.insecure_cluster:
+        keys.warn_insecure("router")
+        return None
+    if config.pd.cluster_keys is None:
+        raise NoClusterKeys(no_keys_message("router"))
+    try:
+        return keys.RouterKeys.load(Path(config.pd.cluster_keys))
+    except keys.KeyFileError as exc:
+        raise NoClusterKeys(f"kvfence router: {exc}") from exc
+
+
+def worker_keys(config: Config, role: str) -> keys.WorkerKeys | None:
+    if config.pd.insecure_cluster:
+        keys.warn_insecure(f"{role} worker")
+        return None
+    if config.pd.cluster_keys is None:
+        raise NoClusterKeys(no_keys_message(role))
+    try:
+        return keys.WorkerKeys.load(Path(config.pd.cluster_keys), role, config.pd.cluster_key)
+    except keys.KeyFileError as exc:
+        raise NoClusterKeys(f"kvfence {role}: {exc}") from exc
+
+
 def cmd_router(config: Config, args: argparse.Namespace) -> int:
     exit_on_sigterm()
-    router = Router(bind=config.pd.bind)
+    try:
+        cluster_keys = router_keys(config)
+    except NoClusterKeys as exc:
+        print(exc, file=sys.stderr)
+        return 2
+    router = Router(bind=config.pd.bind, cluster_keys=cluster_keys)
+    if cluster_keys is not None:  # revocation: `kill -HUP` re-reads the keys directory at once
+        signal.signal(signal.SIGHUP, lambda *_: router.reload_keys())
     print(f"kvfence router: workers connect to {router.addr}", flush=True)
     try:
         if not router.wait_for_workers(
@@ -45,22 +91,37 @@ def cmd_router(config: Config, args: argparse.Namespace) -> int:
 
 
 def cmd_serve_pd(config: Config, args: argparse.Namespace) -> int:
+    """The router and its two workers on this machine. Their keys are made here, in a private temporary
+    directory, and removed at exit: no configuration, and still only these two processes can join."""
     exit_on_sigterm()
-    router = Router(bind="tcp://127.0.0.1:0")
-    with _workers(router, config) as procs:
-        alive = lambda: all(p.poll() is None for p in procs)  # noqa: E731
-        if not router.wait_for_workers(1, 1, config.pd.registration_timeout, alive=alive):
-            print(
-                "kvfence serve --mode pd: the workers did not register (see their preflight above)",
-                file=sys.stderr,
-            )
-            return 1
-        return serve_router(router, config)
+    if config.pd.insecure_cluster:
+        keys.warn_insecure("serve --mode pd")
+        directory = None
+    else:
+        directory = keys.ephemeral()
+    try:
+        router_keys = keys.RouterKeys.load(directory) if directory else None
+        router = Router(bind="tcp://127.0.0.1:0", cluster_keys=router_keys)
+        with _workers(router, config, directory) as procs:
+            alive = lambda: all(p.poll() is None for p in procs)  # noqa: E731
+            if not router.wait_for_workers(1, 1, config.pd.registration_timeout, alive=alive):
+                print(
+                    "kvfence serve --mode pd: the workers did not register (see their preflight above)",
+                    file=sys.stderr,
+                )
+                return 1
+            return serve_router(router, config)
+    finally:
+        if directory is not None:
+            keys.remove(directory)
 
 
-def worker_configs(config: Config, router_addr: str, cores_file: str | None) -> dict[str, Config]:
-    """Each worker's tree: the server's, with its role's pool, half the threads, and this host's core share.
-    A role's own size wins over --kv-pages, which wins over --kv-cache-memory."""
+def worker_configs(
+    config: Config, router_addr: str, cores_file: str | None, keys_dir: Path | None = None
+) -> dict[str, Config]:
+    """Each worker's tree: the server's, with its role's pool, half the threads, this host's core share, and
+    its key in `keys_dir` (None: --insecure-cluster). A role's own size wins over --kv-pages, which wins over
+    --kv-cache-memory."""
     total = config.engine.threads or usable_cpus()
     trees = {}
     for role, pages in (("prefill", config.pd.prefill_kv_pages), ("decode", config.pd.decode_kv_pages)):
@@ -74,12 +135,16 @@ def worker_configs(config: Config, router_addr: str, cores_file: str | None) -> 
             max_threads=total if cores_file else None,
             admin_key=None,
             api_keys=None,
+            cluster_keys=str(keys_dir) if keys_dir else None,
+            cluster_key=f"{role}-0" if keys_dir else None,
         )
     return trees
 
 
 @contextlib.contextmanager
-def _workers(router: Router, config: Config) -> Iterator[list[subprocess.Popen[bytes]]]:
+def _workers(
+    router: Router, config: Config, keys_dir: Path | None
+) -> Iterator[list[subprocess.Popen[bytes]]]:
     share = None
     if config.pd.share_cores:
         fd, name = tempfile.mkstemp(
@@ -89,7 +154,8 @@ def _workers(router: Router, config: Config) -> Iterator[list[subprocess.Popen[b
         share = cores.create(Path(name))
     die_with_parent = parent_death_signal()
     procs = []
-    for role, tree in worker_configs(config, router.addr, str(share) if share else None).items():
+    trees = worker_configs(config, router.addr, str(share) if share else None, keys_dir)
+    for role, tree in trees.items():
         cmd = [sys.executable, "-m", "kvfence", role, "--config", "-"]
         proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, preexec_fn=die_with_parent)
         assert proc.stdin is not None
@@ -142,6 +208,11 @@ def cmd_worker(config: Config, args: argparse.Namespace) -> int:
     if pd.router is None:
         print(f"kvfence {role}: --router is required (the router's control address)", file=sys.stderr)
         return 2
+    try:  # before the model loads: a missing or unsafe key fails at once
+        cluster_keys = worker_keys(config, role)
+    except NoClusterKeys as exc:
+        print(exc, file=sys.stderr)
+        return 2
     share = None
     if pd.cores_file:  # before the model loads: a bad thread count fails at once
         threads = config.engine.threads or 1
@@ -159,9 +230,11 @@ def cmd_worker(config: Config, args: argparse.Namespace) -> int:
     public = config.to_dict(public=True)
     worker: PrefillWorker | DecodeWorker
     if role == "prefill":
-        worker = PrefillWorker(engine, pd.router, pd.data, pd, cores=share, config=public)
+        worker = PrefillWorker(
+            engine, pd.router, pd.data, pd, cores=share, config=public, cluster_keys=cluster_keys
+        )
     else:
-        worker = DecodeWorker(engine, pd.router, pd, cores=share, config=public)
+        worker = DecodeWorker(engine, pd.router, pd, cores=share, config=public, cluster_keys=cluster_keys)
     worker.preflight = report  # shown per worker on the router's page map
     log.info("%s worker up, router %s", role, pd.router)
     worker.serve()

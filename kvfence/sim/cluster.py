@@ -220,7 +220,7 @@ class Simulation:
             msg = self.router.control.decode(payload)
             self.trace("net_recv", plane=plane, src=src, dst=dst, op=msg.op if msg else None)
             if msg is not None:
-                self.router.on_message(src.encode(), msg)
+                self.router.on_message(src.encode(), msg, src)  # the network names senders truthfully
             return None
         worker = self.workers.get(dst)
         if worker is None or not worker.alive:

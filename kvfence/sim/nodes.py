@@ -103,8 +103,11 @@ class SimWorker:
     def send_data(self, peer: Any, message: Message) -> None:
         self.sim.send_data(self.name, str(peer), wire.encode(message))
 
-    def connect(self, data_addr: str) -> Any:
+    def connect(self, data_addr: str, principal: str = "") -> Any:
         return data_addr
+
+    def principal(self, peer: Any) -> str:
+        return str(peer)  # the simulated network names every sender truthfully (as CURVE would)
 
     def control_handlers(self) -> dict[type[ControlMessage], control.Handler]:
         """Registration only: a simulated worker stays up when refused or told to shut down."""
