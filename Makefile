@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: test serve generate lint typecheck bench model clean browser spin kernels
+.PHONY: test serve generate lint typecheck bench model clean browser spin kernels netcap
 
 $(BIN)/python:
 	$(shell command -v $(PY) >/dev/null 2>&1 && echo $(PY) || echo python3) -m venv $(VENV)
@@ -31,10 +31,14 @@ browser:
 spin:
 	@command -v spin >/dev/null 2>&1 && command -v gcc >/dev/null 2>&1 || (apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y spin gcc)
 
-test: model kernels browser spin
+# tcpdump for the wire-capture test (tests/test_pd_netns.py: nothing crosses the link in the clear)
+netcap:
+	@command -v tcpdump >/dev/null 2>&1 || (apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y tcpdump)
+
+test: model kernels browser spin netcap
 	$(BIN)/ruff check kvfence tests bench
 	$(BIN)/mypy
-	KVFENCE_REQUIRE_BROWSER=1 KVFENCE_REQUIRE_KERNELS=1 KVFENCE_RUN_SPIN=1 $(BIN)/pytest -q
+	KVFENCE_REQUIRE_BROWSER=1 KVFENCE_REQUIRE_KERNELS=1 KVFENCE_RUN_SPIN=1 KVFENCE_REQUIRE_TCPDUMP=1 $(BIN)/pytest -q
 
 serve: model kernels
 	$(BIN)/kvfence serve --mode pd

@@ -39,7 +39,7 @@ DATA_DOMAIN = "kvfence-data"  # ZAP domain of a prefill's data socket: decode ke
 HANDSHAKE_FAILURES: dict[int, str] = {
     zmq.EVENT_HANDSHAKE_FAILED_AUTH: "auth",  # a key not in the allowlist (ZAP said no)
     zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "protocol",  # no CURVE, a wrong server key, garbage
-    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "other",
+    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "protocol",  # (libzmq reports a peer without CURVE either way)
 }
 
 
@@ -283,7 +283,7 @@ class Handshakes:
                 event = recv_monitor_message(self.monitor, zmq.NOBLOCK)
             except zmq.Again:
                 return
-            self.failed[HANDSHAKE_FAILURES.get(int(event["event"]), "other")] += 1
+            self.failed[HANDSHAKE_FAILURES.get(int(event["event"]), "protocol")] += 1
 
     def close(self) -> None:
         self.monitor.close(0)

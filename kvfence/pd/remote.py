@@ -28,6 +28,7 @@ from kvfence.model.tokenizer import Tokenizer
 from kvfence.pd.router import NoWorkers, Router
 
 STEP_WAIT_S = 0.05
+REGISTRATION_REFUSALS = ("role_not_allowed", "key_in_use", "duplicate_registration", "fingerprint_mismatch")
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,10 +150,32 @@ class WorkersCollector(Collector):
             total.add_metric([w.role, name], pool["num_pages"])
             failures.add_metric([w.role, name], w.health.get("integrity_failures", 0))
         dropped = CounterMetricFamily("kvfence_router_control_dropped", "Control messages from workers the router "
-                                      "dropped", labels=["reason"])  # fmt: skip
-        for reason, count in self.router.control.counts().items():
+                                      "dropped, by reason (malformed, unknown op, unexpected; and what the I10 "
+                                      "binding refused: not_placed_here, unregistered, ...)",
+                                      labels=["reason"])  # fmt: skip
+        refused = dict(self.router.refused)
+        registrations = {r: refused.pop(r) for r in list(refused) if r in REGISTRATION_REFUSALS}
+        for reason, count in {**self.router.control.counts(), **refused}.items():
             dropped.add_metric([reason], count)
-        yield from (workers, pages, total, failures, dropped)
+        regs = CounterMetricFamily("kvfence_router_registrations_refused", "Worker registrations the router "
+                                   "refused, by reason", labels=["reason"])  # fmt: skip
+        for reason in REGISTRATION_REFUSALS:
+            regs.add_metric([reason], registrations.get(reason, 0))
+        handshakes = CounterMetricFamily("kvfence_cluster_handshakes_refused", "Connections refused at the "
+                                         "handshake (CURVE): protocol = no CURVE or a wrong server key, auth = a key "
+                                         "not in the allowlist", labels=["plane", "worker", "kind"])  # fmt: skip
+        for kind, count in self.router.connection_counts().items():
+            handshakes.add_metric(["control", "router", kind], count)
+        worker_refused = CounterMetricFamily("kvfence_worker_refused", "What a worker refused under I10 (tickets "
+                                             "from a decode worker the router did not name), by reason",
+                                             labels=["role", "worker", "reason"])  # fmt: skip
+        for w in live:
+            for reason, count in (w.health.get("refused") or {}).items():
+                if reason.startswith("handshake_"):
+                    handshakes.add_metric(["data", f"{w.role}-{w.pid}", reason[10:]], count)
+                else:
+                    worker_refused.add_metric([w.role, f"{w.role}-{w.pid}", reason], count)
+        yield from (workers, pages, total, failures, dropped, regs, handshakes, worker_refused)
 
     def describe(self) -> Iterator[Metric]:
         return iter(())

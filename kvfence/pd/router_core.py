@@ -301,6 +301,7 @@ class RouterCore:
             ):
                 reason = f"fingerprint {fp} does not match registered worker {other.fingerprint}"
                 log.error("refusing %s worker: %s", msg.role, reason)
+                self.refused["fingerprint_mismatch"] += 1
                 self._send(identity, control.Refused(reason))
                 return
         info = WorkerInfo(
