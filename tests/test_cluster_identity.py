@@ -193,6 +193,24 @@ def test_a_stolen_prefill_key_cannot_answer_for_the_decode_worker_nor_read_kv(ti
             assert outputs[-1].token_ids == expected[rid]
             it.send(control.RequestError(RequestId("victim0"), "x", "y", 500))  # ended: unknown now
             wait_for(lambda: router.refused["unknown_request"] >= 1, "the late error to be refused")
+        metrics = scrape(router)
+        for line in ('kvfence_router_control_dropped_total{reason="not_placed_here"} 3.0',
+                     'kvfence_router_registrations_refused_total{reason="role_not_allowed"} 1.0',
+                     'kvfence_router_registrations_refused_total{reason="duplicate_registration"} 1.0',
+                     'kvfence_router_control_dropped_total{reason="heartbeat_for_another_worker"} 1.0'):  # fmt: skip
+            assert line in metrics, line
+        assert 'kvfence_cluster_handshakes_refused_total{kind="auth",plane="data"' in metrics
+
+
+def scrape(router: Router) -> str:
+    """The router's /metrics families for its workers and the I10 counters."""
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from kvfence.pd.remote import WorkersCollector
+
+    registry = CollectorRegistry()
+    registry.register(WorkersCollector(router))
+    return generate_latest(registry).decode()
 
 
 @pytest.mark.parametrize("secure", [True, False], ids=["keys", "insecure"])
