@@ -1,7 +1,7 @@
 """P->D KV transfer bandwidth over the real data path, and TTFT of PD vs colocated serving.
 
     python bench/transfer.py [--windows 1,8,64] [--pages 125,13] [--transfers 8] [--page-bytes 737280]
-                             [--ttft-requests 5] [--serve-threads N] [--skip-ttft]
+                             [--ttft-requests 5] [--serve-threads N] [--skip-ttft] [--curve both|on|off]
 
 Part 1. A sender and a receiver process ("spawn") talk ZeroMQ over TCP loopback as the PD workers do (prefill
 binds a ROUTER, decode connects a DEALER, `wire.encode/decode`, copying sends) and run the real protocol cores:
@@ -13,8 +13,12 @@ frame). Each transfer is timed on the receiver from `reserve` (first ticket) to 
 (1 GB = 1e9 B). Each (window, pages) row runs one untimed warm-up transfer, then --transfers timed ones in turn.
 Both processes add up their CPU time (all threads, ZeroMQ's I/O thread included) and the wall time of each step.
 Side by side, in this process first: page-by-page numpy copy between preallocated buffers, and xxh3-128 alone.
+--curve both (the default) runs the plan twice: plain sockets, then ZeroMQ CURVE as a cluster with keys runs it
+(the prefill's data socket a CURVE server behind a ZAP allowlist, the decode a CURVE client; kvfence/pd/keys.py),
+and prints the bandwidth ratio.
 
-Part 2. Starts `python -m kvfence serve --port P --kv-pages 1024`, then the same with `--mode pd`, one at a time;
+Part 2. Starts `python -m kvfence serve --port P --kv-pages 1024`, then the same with `--mode pd` (its workers
+with ephemeral keys: CURVE) and `--mode pd --insecure-cluster` (plain sockets), one at a time;
 waits for /health; per prompt length sends one warm-up and --ttft-requests streaming completions one at a time
 (exactly 200 / 2,000 random token ids, max_tokens=4, temperature 0), and times the first chunk carrying text.
 `serve --mode pd` gives each worker half of --threads (default: all cores); colocated gets them all.
@@ -76,17 +80,25 @@ def make_cache(page_bytes: int, num_pages: int) -> Any:
     return PagedKV(cfg, num_pages, PAGE_SIZE, torch.float32, "cpu")  # type: ignore[arg-type]
 
 
-def sender_main(port_q: Any, plan: Plan, page_bytes: int, pool_pages: int) -> None:
+def sender_main(port_q: Any, plan: Plan, page_bytes: int, pool_pages: int, keys_dir: str | None) -> None:
     """Prefill side: answers each ticket with frames of n pages of its own pool, as PrefillWorker does."""
+    from pathlib import Path
+
     import zmq
 
-    from kvfence.pd import wire
+    from kvfence.pd import keys, wire
     from kvfence.pd.messages import FrameAck, Ticket
     from kvfence.pd.sender import ReleaseLocal, SendFinal, SendFrames, TransferSender
 
     cache = make_cache(page_bytes, pool_pages)
     cache.kv.normal_()
-    sock = zmq.Context().socket(zmq.ROUTER)
+    ctx: zmq.Context[Any] = zmq.Context()
+    sock = ctx.socket(zmq.ROUTER)
+    if keys_dir is not None:  # as PrefillWorker with --cluster-keys: only decode keys get in
+        own = keys.WorkerKeys.load(Path(keys_dir), "prefill", None)
+        gate = keys.Gate(ctx)
+        gate.accept(keys.DATA_DOMAIN, own.decode_allowed)
+        keys.serve_curve(sock, own.own, keys.DATA_DOMAIN)
     port_q.put(sock.bind_to_random_port("tcp://127.0.0.1"))
     senders: dict[int, tuple[bytes, Any]] = {}
     laps, done = Laps(), 0
@@ -124,13 +136,17 @@ def sender_main(port_q: Any, plan: Plan, page_bytes: int, pool_pages: int) -> No
     sock.close(linger=1000)
 
 
-def receiver_main(port: int, plan: Plan, page_bytes: int, pool_pages: int, out_q: Any) -> None:
+def receiver_main(
+    port: int, plan: Plan, page_bytes: int, pool_pages: int, out_q: Any, keys_dir: str | None
+) -> None:
     """Decode side: one reservation at a time, validate + write each frame back to back, as DecodeWorker does."""
+    from pathlib import Path
+
     import zmq
 
     from kvfence.ids import RequestId
     from kvfence.kv.pool import PagePool
-    from kvfence.pd import wire
+    from kvfence.pd import keys, wire
     from kvfence.pd.messages import FinalFrame, PageFrame, TransferId
     from kvfence.pd.receiver import Applied, Ready, TransferReceiver
 
@@ -138,6 +154,10 @@ def receiver_main(port: int, plan: Plan, page_bytes: int, pool_pages: int, out_q
     pool = PagePool(pool_pages, PAGE_SIZE)
     receiver = TransferReceiver(pool, LAYOUT, page_bytes, cache.write_page)
     sock = zmq.Context().socket(zmq.DEALER)
+    if keys_dir is not None:  # as DecodeWorker.connect: the prefill's public key, named by the router
+        own = keys.WorkerKeys.load(Path(keys_dir), "decode", None)
+        prefill = keys.load_public(Path(keys_dir) / "prefill" / "prefill-0.key")
+        keys.connect_curve(sock, own.own, prefill.principal)
     sock.connect(f"tcp://127.0.0.1:{port}")
     times: dict[tuple[int, int], list[float]] = defaultdict(list)
     laps = Laps()
@@ -171,25 +191,51 @@ def receiver_main(port: int, plan: Plan, page_bytes: int, pool_pages: int, out_q
 
 
 def run_transfers(args: argparse.Namespace, baseline: dict[str, float]) -> None:
+    from kvfence.pd import keys
+
+    modes = {"both": ["off", "on"], "on": ["on"], "off": ["off"]}[args.curve]
+    gbps: dict[str, dict[tuple[int, int], float]] = {}
+    for curve in modes:
+        keys_dir = keys.ephemeral() if curve == "on" else None
+        try:
+            gbps[curve] = transfers(args, baseline, str(keys_dir) if keys_dir else None)
+        finally:
+            if keys_dir is not None:
+                keys.remove(keys_dir)
+    if len(gbps) == 2:
+        print("\nCURVE on / off, GB/s ratio per row: " + "  ".join(
+            f"w={w} n={n}: {gbps['on'][(w, n)] / gbps['off'][(w, n)]:.2f}" for (w, n) in gbps["off"]))  # fmt: skip
+
+
+def transfers(
+    args: argparse.Namespace, baseline: dict[str, float], keys_dir: str | None
+) -> dict[tuple[int, int], float]:
     plan: Plan = [
         (w, n, timed) for w in args.windows for n in args.pages for timed in [False] + [True] * args.transfers
     ]
     pool_pages = 2 * max(args.pages)  # FIFO free list: consecutive transfers land on different pages
     ctx = mp.get_context("spawn")
     sender_q, receiver_q = ctx.Queue(), ctx.Queue()
-    sender = ctx.Process(target=sender_main, args=(sender_q, plan, args.page_bytes, pool_pages))
+    sender = ctx.Process(target=sender_main, args=(sender_q, plan, args.page_bytes, pool_pages, keys_dir))
     sender.start()
     port = sender_q.get(timeout=120)
-    receiver = ctx.Process(target=receiver_main, args=(port, plan, args.page_bytes, pool_pages, receiver_q))
+    receiver = ctx.Process(
+        target=receiver_main, args=(port, plan, args.page_bytes, pool_pages, receiver_q, keys_dir)
+    )
     receiver.start()
     times, rx_phases = receiver_q.get(timeout=1800)
     tx_phases = sender_q.get(timeout=60)
     for p in (sender, receiver):
         p.join(timeout=30)
-    print(f"\nP->D transfer, ZeroMQ TCP loopback, {args.transfers} timed transfers per row (median):")
+    curve = "CURVE (encrypted, authenticated)" if keys_dir else "plain (no keys)"
+    print(
+        f"\nP->D transfer, ZeroMQ TCP loopback, {curve}, {args.transfers} timed transfers per row (median):"
+    )
     print(" window  pages      MB  ms/xfer     GB/s  xfers/s  wall us/page  2 digests  CPU us/page: tx    rx")
+    result = {}
     for (w, n), ts in times.items():
         t, num, mb = statistics.median(ts), len(ts) * n, n * args.page_bytes / 1e6
+        result[(w, n)] = mb / t / 1e3
         share = f"{100 * 2 * baseline['xxh3-128'] * n / t:8.1f}%"
         cpu = f"{1e6 * tx_phases[(w, n)]['cpu'] / num:15.0f} {1e6 * rx_phases[(w, n)]['cpu'] / num:5.0f}"
         print(f" {w:6d} {n:6d} {mb:7.1f} {1e3 * t:8.1f} {mb / t / 1e3:8.3f} {1 / t:8.1f} {1e6 * t / n:13.0f} "
@@ -199,6 +245,7 @@ def run_transfers(args: argparse.Namespace, baseline: dict[str, float]) -> None:
         tx, rx = ({k: f"{1e6 * v / len(ts) / n:.0f}" for k, v in ph[(w, n)].items() if k != "cpu"}
                   for ph in (tx_phases, rx_phases))  # fmt: skip
         print(f" w={w:<3d} n={n:<4d} tx: {tx} | rx: {rx}".replace("'", ""))
+    return result
 
 
 def run_baselines(args: argparse.Namespace) -> dict[str, float]:
@@ -258,7 +305,9 @@ def serving(args: argparse.Namespace, mode: str) -> Iterator[tuple[Any, str, str
 
     port = free_port()
     cmd = [sys.executable, "-m", "kvfence", "serve", "--port", str(port), "--kv-pages", "1024"]
-    cmd += ["--mode", "pd"] if mode == "pd" else []
+    cmd += {"colocated": [], "pd": ["--mode", "pd"], "pd-insecure": ["--mode", "pd", "--insecure-cluster"]}[
+        mode
+    ]
     cmd += ["--threads", str(args.serve_threads)] if args.serve_threads else []
     log = tempfile.NamedTemporaryFile("w", prefix=f"kvfence-bench-{mode}-", suffix=".log", delete=False)  # noqa: SIM115
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -286,7 +335,7 @@ def serving(args: argparse.Namespace, mode: str) -> Iterator[tuple[Any, str, str
 def run_ttft(args: argparse.Namespace) -> None:
     import httpx
 
-    results: dict[str, dict[int, list[float] | str]] = {"colocated": {}, "pd": {}}
+    results: dict[str, dict[int, list[float] | str]] = {"colocated": {}, "pd": {}, "pd-insecure": {}}
     for mode, out in results.items():
         rng = np.random.default_rng(1)
         with serving(args, mode) as (client, model, log):
@@ -301,18 +350,20 @@ def run_ttft(args: argparse.Namespace) -> None:
     print(
         f"\nTTFT over HTTP (streaming, max_tokens=4), {args.ttft_requests} requests each, --threads {threads}:"
     )
-    print(" prompt   colocated p50      pd p50   pd/colocated   (all colocated ; all pd, ms)")
+    print(
+        " prompt  colocated p50  pd (keys) p50  pd (insecure) p50  keys/insecure   (ms: colocated ; keys ; insecure)"
+    )
     p50 = {
         m: {n: statistics.median(r) for n, r in out.items() if isinstance(r, list)}
         for m, out in results.items()
     }
     for n in args.prompt_lens:
-        c, p = p50["colocated"].get(n), p50["pd"].get(n)
-        cells = [f"{1e3 * x:9.1f} ms" if x is not None else "   failed" for x in (c, p)]
-        ratio = f"{p / c:12.2f}" if c is not None and p is not None else " " * 12
+        c, p, q = (p50[m].get(n) for m in ("colocated", "pd", "pd-insecure"))
+        cells = [f"{1e3 * x:9.1f} ms" if x is not None else "   failed" for x in (c, p, q)]
+        ratio = f"{p / q:14.2f}" if p is not None and q is not None else " " * 14
         raw = " ; ".join(" ".join(f"{1e3 * x:.0f}" for x in r) if isinstance(r, list) else "-"
-                         for r in (results["colocated"][n], results["pd"][n]))  # fmt: skip
-        print(f" {n:6d} {cells[0]:>15s} {cells[1]:>11s} {ratio}   ({raw})")
+                         for r in (results[m][n] for m in ("colocated", "pd", "pd-insecure")))  # fmt: skip
+        print(f" {n:6d} {cells[0]:>14s} {cells[1]:>14s} {cells[2]:>18s} {ratio}   ({raw})")
     for out in results.values():
         for r in out.values():
             if isinstance(r, str):
@@ -330,6 +381,9 @@ def main() -> None:
     ap.add_argument("--prompt-lens", type=ints, default=[200, 2000])
     ap.add_argument("--serve-threads", type=int, default=None, help="--threads for both servers")
     ap.add_argument("--skip-ttft", action="store_true", help="run only the transfer part")
+    ap.add_argument(
+        "--curve", choices=("both", "on", "off"), default="both", help="transfer part: CURVE on/off"
+    )
     args = ap.parse_args()
     run_transfers(args, run_baselines(args))
     if not args.skip_ttft:
