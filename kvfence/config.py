@@ -226,11 +226,36 @@ class ServerOptions:
         env="KVFENCE_ADMIN_KEY",
         secret=True,
     )
+    metrics_key: str | None = option(
+        None,
+        "key that opens GET /metrics only (a Prometheus scrape credential); the admin key opens it too. With "
+        "--api-keys and neither key set, nobody reads /metrics: its series name tenants",
+        commands=HTTP,
+        env="KVFENCE_METRICS_KEY",
+        secret=True,
+    )
+    ssl_keyfile: str | None = option(
+        None, "HTTPS: the server's private key (PEM); needs --ssl-certfile", commands=HTTP, metavar="PATH"
+    )
+    ssl_certfile: str | None = option(
+        None,
+        "HTTPS: the server's certificate chain (PEM); needs --ssl-keyfile",
+        commands=HTTP,
+        metavar="PATH",
+    )
 
     def __post_init__(self) -> None:
         check(self.max_queue >= 1, f"--max-queue must be at least 1, got {self.max_queue}")
         check(self.max_body_bytes >= 1, f"--max-body-bytes must be at least 1, got {self.max_body_bytes}")
         check(0 <= self.port < 65536, f"--port must be 0-65535, got {self.port}")
+        check(
+            (self.ssl_keyfile is None) == (self.ssl_certfile is None),
+            "--ssl-keyfile and --ssl-certfile go together: give both or neither",
+        )
+        check(
+            self.metrics_key is None or self.metrics_key != self.admin_key,
+            "--metrics-key must differ from --admin-key",
+        )
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,7 @@ from kvfence.pd import cores, keys
 from kvfence.pd.router import Router
 from kvfence.runtime.process import reap
 from tests.conftest import make_engine, run_all
+from tests.server_harness import SCRAPE_KEY
 
 
 @contextlib.contextmanager
@@ -139,7 +140,8 @@ def pd_serve(
     /health answers, fails at once if the server exits."""
     port = free_port()
     cmd = [sys.executable, "-m", "kvfence", "serve", "--mode", "pd", "--model", str(model_dir), "--port",
-           str(port), "--api-keys", str(keys_file), "--threads", "2", "--dtype", "float32", *flags]  # fmt: skip
+           str(port), "--api-keys", str(keys_file), "--threads", "2", "--dtype", "float32", "--metrics-key",
+           SCRAPE_KEY, *flags]  # fmt: skip
     proc = subprocess.Popen(cmd, env={**os.environ, "KVFENCE_FAULTS": "", **(env or {})})
     url = f"http://127.0.0.1:{port}"
     try:

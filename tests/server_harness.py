@@ -57,6 +57,9 @@ class Handle:
         return 0.0 if value is None else value
 
 
+SCRAPE_KEY = "scrape-key"  # the operator credential that opens /metrics on test servers
+
+
 @contextmanager
 def running_server(
     loaded: LoadedModel,
@@ -65,6 +68,7 @@ def running_server(
     max_queue: int | None = None,
     max_body_bytes: int = 4 << 20,
     admin_key: str | None = None,
+    metrics_key: str | None = SCRAPE_KEY,
     **engine_overrides: Any,
 ) -> Iterator[Handle]:
     metrics = ServerMetrics()
@@ -75,6 +79,7 @@ def running_server(
         api_keys=api_keys,
         max_body_bytes=max_body_bytes,
         admin_key=admin_key,
+        metrics_key=metrics_key,
         config_view=lambda: {"mode": "colocated", "config": llm.config.to_dict(public=True)},
     )
     with serve_in_thread(build_app(engine, settings, metrics), timeout=TIMEOUT) as url:

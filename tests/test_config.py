@@ -108,14 +108,14 @@ def test_every_flag_reaches_its_field():
 
 
 def test_json_round_trip_keeps_every_field_and_leaves_secrets_out():
-    config = every_field_changed().replace(admin_key="s3cret")
+    config = every_field_changed().replace(admin_key="s3cret", metrics_key="scr4pe")
     data = json.loads(config.to_json())
     assert (
         "admin_key" not in data["server"]
         and "s3cret" not in config.to_json()
         and "s3cret" not in config.describe()
     )
-    assert Config.from_json(config.to_json()) == config.replace(admin_key=None)
+    assert Config.from_json(config.to_json()) == config.replace(admin_key=None, metrics_key=None)
 
 
 def test_a_pd_worker_gets_every_field_through_its_config_file(tmp_path):
@@ -124,7 +124,7 @@ def test_a_pd_worker_gets_every_field_through_its_config_file(tmp_path):
     config = every_field_changed().replace(admin_key="s3cret")
     trees = worker_configs(config, "tcp://127.0.0.1:5555", "/dev/shm/cores")
     per_worker = {"router", "threads", "kv_pages", "kv_cache_memory", "cores_file", "max_threads", "admin_key",
-                  "api_keys", "cluster_keys", "cluster_key"}  # fmt: skip
+                  "api_keys", "cluster_keys", "cluster_key", "metrics_key"}  # fmt: skip
     for role, worker in trees.items():
         path = tmp_path / f"{role}.json"
         path.write_text(worker.to_json())

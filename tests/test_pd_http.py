@@ -23,6 +23,7 @@ from openai import BadRequestError, OpenAI
 from kvfence.engine.request import SamplingParams
 from tests.conftest import make_engine, run_all
 from tests.pd_cluster import pd_serve
+from tests.server_harness import SCRAPE_KEY
 
 KEYS = {"key-a": "tenant-a", "key-b": "tenant-b"}
 
@@ -128,7 +129,9 @@ def test_router_metrics_show_every_workers_pool(pd_server):
     base = str(pd_server.base_url).rstrip("/").removesuffix("/v1")
     deadline = time.monotonic() + 30
     while True:  # each worker's first heartbeat after start-up carries its pool; wait for both
-        text = httpx.get(f"{base}/metrics", headers={"Authorization": "Bearer key-a"}, timeout=10).text
+        text = httpx.get(
+            f"{base}/metrics", headers={"Authorization": f"Bearer {SCRAPE_KEY}"}, timeout=10
+        ).text
         totals = [line for line in text.splitlines() if line.startswith("kvfence_worker_kv_pages_total")]
         if len(totals) == 2:
             break

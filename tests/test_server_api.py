@@ -14,7 +14,7 @@ import pytest
 from kvfence.engine.request import SamplingParams
 from kvfence.server.protocol import capacity
 from tests.conftest import make_engine
-from tests.server_harness import MODEL, running_server
+from tests.server_harness import MODEL, SCRAPE_KEY, running_server
 
 GREEDY = {"temperature": 0.0, "extra_body": {"ignore_eos": True}}
 MESSAGES = [
@@ -257,7 +257,7 @@ def test_models_health_and_metrics(client, server):
     assert card.id == MODEL and card.owned_by == "kvfence"
     assert httpx.get(f"{server.url}/health").json() == {"status": "ok"}
     client.completions.create(model=MODEL, prompt="Hello", max_tokens=3, **GREEDY)
-    text = httpx.get(f"{server.url}/metrics").text
+    text = httpx.get(f"{server.url}/metrics", headers={"Authorization": f"Bearer {SCRAPE_KEY}"}).text
     for name in (
         "kvfence_requests_total",
         "kvfence_time_to_first_token_seconds_bucket",

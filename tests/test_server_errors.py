@@ -16,7 +16,7 @@ import openai
 import pytest
 
 from kvfence.faults import Faults
-from tests.server_harness import MODEL, running_server
+from tests.server_harness import MODEL, SCRAPE_KEY, running_server
 
 KEYS = {"key-alice": "alice", "key-bob": "bob"}
 
@@ -59,10 +59,12 @@ def test_api_keys_401_and_tenant_from_the_key(tiny_model, caplog):
             assert httpx.get(f"{srv.base_url}/models", headers=headers).status_code == 401
         with pytest.raises(openai.AuthenticationError):
             srv.client(api_key="wrong").models.list()
-        # metrics labels name tenants: a valid key (Bearer) is needed to read them
+        # metrics labels name tenants: an operator credential is needed to read them, never a tenant's key
         for headers in ({}, {"Authorization": "Bearer wrong"}):
             error_of(httpx.get(f"{srv.url}/metrics", headers=headers), 401)
         r = httpx.get(f"{srv.url}/metrics", headers={"Authorization": "Bearer key-bob"})
+        assert r.status_code == 403 and error_of(r, 403)["code"] == "permission_denied"
+        r = httpx.get(f"{srv.url}/metrics", headers={"Authorization": f"Bearer {SCRAPE_KEY}"})
         assert r.status_code == 200 and "kvfence_requests_total" in r.text
         assert httpx.get(f"{srv.url}/health").status_code == 200  # probes need no key
         with caplog.at_level(logging.INFO, logger="kvfence.requests"):
@@ -313,7 +315,10 @@ def test_integrity_failure_is_500(faulty, tiny_model):
         )
         == 2
     )
-    assert "kvfence_integrity_failures_total 2.0" in httpx.get(f"{faulty.url}/metrics").text
+    assert (
+        "kvfence_integrity_failures_total 2.0"
+        in httpx.get(f"{faulty.url}/metrics", headers={"Authorization": f"Bearer {SCRAPE_KEY}"}).text
+    )
 
 
 @pytest.mark.parametrize("path", [C, CHAT])

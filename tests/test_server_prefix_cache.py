@@ -13,7 +13,7 @@ import httpx
 
 from kvfence.faults import Faults
 from kvfence.probe.stats import mann_whitney_two_sided
-from tests.server_harness import MODEL, Handle, running_server
+from tests.server_harness import MODEL, SCRAPE_KEY, Handle, running_server
 
 KEYS = {"key-alice": "alice", "key-bob": "bob"}
 ALPHA = 0.001  # a false alarm once in a thousand runs, and only when timing alone misbehaves
@@ -31,7 +31,7 @@ def complete(
 
 
 def hit_tokens(srv: Handle, tenant: str) -> float:
-    httpx.get(f"{srv.url}/metrics", headers={"Authorization": "Bearer key-alice"}).raise_for_status()
+    httpx.get(f"{srv.url}/metrics", headers={"Authorization": f"Bearer {SCRAPE_KEY}"}).raise_for_status()
     return srv.metric("kvfence_prefix_cache_hit_tokens_total", tenant=tenant)
 
 

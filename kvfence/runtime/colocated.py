@@ -86,13 +86,13 @@ def cmd_serve(config: Config, args: argparse.Namespace) -> int:
     from kvfence.engine.llm_engine import LLMEngine
     from kvfence.engine.loop import on_passing_thread
     from kvfence.engine.memory import return_freed_memory
-    from kvfence.runtime.http import serve_http
-    from kvfence.server.auth import load_api_keys
+    from kvfence.runtime.http import front_door_problem, serve_http
     from kvfence.server.metrics import ServerMetrics
 
+    if problem := front_door_problem(config, "serve"):  # keys, TLS: before minutes of loading
+        print(problem, file=sys.stderr)
+        return 2
     try:
-        if config.server.api_keys:
-            load_api_keys(config.server.api_keys)  # a bad keys file fails before minutes of loading
         report, loaded = on_passing_thread(lambda: run_preflight(config))  # not on main: OpenMP pools
     except (OSError, ValueError) as e:
         print(f"kvfence serve: {e}", file=sys.stderr)

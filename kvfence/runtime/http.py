@@ -32,11 +32,18 @@ def serve_http(
 
     from kvfence.server.app import build_app
     from kvfence.server.async_engine import AsyncEngine
-    from kvfence.server.auth import load_api_keys
+    from kvfence.server.auth import check_distinct, load_api_keys
     from kvfence.server.serving import ServerSettings
 
     server = config.server
     keys = load_api_keys(server.api_keys) if server.api_keys else None
+    check_distinct(keys, server.admin_key, server.metrics_key)
+    tls = check_tls(server.ssl_keyfile, server.ssl_certfile)
+    if keys is not None and not server.admin_key and not server.metrics_key:
+        log.warning("/metrics is closed: its series name tenants, so it needs --metrics-key or --admin-key")
+    if keys is not None and not tls and not is_loopback(server.host):
+        log.warning("serving on %s without HTTPS: API keys cross the network in the clear "
+                    "(--ssl-keyfile/--ssl-certfile)", server.host)  # fmt: skip
     if keys is None and not is_loopback(server.host):
         log.warning("serving on %s without --api-keys: every client is the anonymous tenant", server.host)
     async_engine = AsyncEngine(engine, max_queue=server.max_queue, observer=metrics)
@@ -46,18 +53,51 @@ def serve_http(
         api_keys=keys,
         max_body_bytes=server.max_body_bytes,
         admin_key=server.admin_key,
+        metrics_key=server.metrics_key,
         preflight=preflight,
         config_view=config_view,
     )
     app = build_app(async_engine, settings, metrics, kv_source=kv_source)
-    print(how_to_call(server.host, server.port, name, with_key=keys is not None), flush=True)
-    uvicorn.run(app, host=server.host, port=server.port, log_level="info")
+    print(how_to_call(server.host, server.port, name, with_key=keys is not None, tls=tls), flush=True)
+    uvicorn.run(app, host=server.host, port=server.port, log_level="info",
+                ssl_keyfile=server.ssl_keyfile, ssl_certfile=server.ssl_certfile)  # fmt: skip
     return 0
 
 
-def how_to_call(host: str, port: int, model: str, with_key: bool) -> str:
+def front_door_problem(config: Config, command: str) -> str | None:
+    """What stops an HTTP command before anything loads (exit 2): unreadable TLS files, an operator key that is
+    also a tenant's, a bad API keys file."""
+    from kvfence.server.auth import check_distinct, load_api_keys
+
+    server = config.server
+    try:
+        keys = load_api_keys(server.api_keys) if server.api_keys else None
+        check_distinct(keys, server.admin_key, server.metrics_key)
+        check_tls(server.ssl_keyfile, server.ssl_certfile)
+    except (OSError, ValueError) as exc:
+        return f"kvfence {command}: {exc}"
+    return None
+
+
+def check_tls(keyfile: str | None, certfile: str | None) -> bool:
+    """Whether to serve HTTPS; both files must be readable PEM (ValueError naming the path, exit 2)."""
+    import ssl
+
+    if keyfile is None or certfile is None:
+        return False
+    for path in (keyfile, certfile):
+        if not Path(path).is_file():
+            raise ValueError(f"{path}: no such file (--ssl-keyfile / --ssl-certfile)")
+    try:
+        ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(certfile, keyfile)
+    except (ssl.SSLError, OSError) as exc:
+        raise ValueError(f"{certfile} / {keyfile}: not a usable certificate and key: {exc}") from exc
+    return True
+
+
+def how_to_call(host: str, port: int, model: str, with_key: bool, tls: bool = False) -> str:
     host = "127.0.0.1" if host in ("0.0.0.0", "::") else host
-    base = f"http://{host}:{port}/v1"
+    base = f"{'https' if tls else 'http'}://{host}:{port}/v1"
     auth = " -H 'Authorization: Bearer YOUR_KEY'" if with_key else ""
     key = "YOUR_KEY" if with_key else "none"
     body = f'{{"model": "{model}", "messages": [{{"role": "user", "content": "What is a KV cache?"}}]}}'

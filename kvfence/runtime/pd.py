@@ -24,6 +24,7 @@ from typing import Any
 from kvfence.config import Config
 from kvfence.pd import cores, keys
 from kvfence.pd.router import Router
+from kvfence.runtime.http import front_door_problem
 from kvfence.runtime.process import exit_on_sigterm, parent_death_signal, reap, usable_cpus
 
 log = logging.getLogger("kvfence.pd")
@@ -70,6 +71,9 @@ def worker_keys(config: Config, role: str) -> keys.WorkerKeys | None:
 
 def cmd_router(config: Config, args: argparse.Namespace) -> int:
     exit_on_sigterm()
+    if problem := front_door_problem(config, "router"):
+        print(problem, file=sys.stderr)
+        return 2
     try:
         cluster_keys = router_keys(config)
     except NoClusterKeys as exc:
@@ -94,6 +98,9 @@ def cmd_serve_pd(config: Config, args: argparse.Namespace) -> int:
     """The router and its two workers on this machine. Their keys are made here, in a private temporary
     directory, and removed at exit: no configuration, and still only these two processes can join."""
     exit_on_sigterm()
+    if problem := front_door_problem(config, "serve"):
+        print(problem, file=sys.stderr)
+        return 2
     if config.pd.insecure_cluster:
         keys.warn_insecure("serve --mode pd")
         directory = None
@@ -134,6 +141,7 @@ def worker_configs(
             cores_file=cores_file,
             max_threads=total if cores_file else None,
             admin_key=None,
+            metrics_key=None,
             api_keys=None,
             cluster_keys=str(keys_dir) if keys_dir else None,
             cluster_key=f"{role}-0" if keys_dir else None,

@@ -25,7 +25,7 @@ from starlette.responses import JSONResponse, Response
 
 from kvfence.dashboard.routes import KvSource, add_dashboard_routes, check_admin, local_kv_source
 from kvfence.server.async_engine import AsyncEngine
-from kvfence.server.auth import Authenticator
+from kvfence.server.auth import Authenticator, check_operator
 from kvfence.server.errors import OpenAIError, install_handlers, invalid
 from kvfence.server.metrics import CONTENT_TYPE, ServerMetrics
 from kvfence.server.protocol import ChatCompletionRequest, CompletionRequest, capacity, parse_body
@@ -116,6 +116,12 @@ def _info_routes(
         }
         return {"object": "list", "data": [card]}
 
+    @app.get("/v1/usage")
+    async def usage(request: Request) -> dict[str, Any]:
+        """The caller's own usage (its tenant's), never another tenant's."""
+        tenant = auth.tenant(request.headers.get("authorization"))
+        return {"object": "usage", "tenant": tenant, **metrics.usage_of(tenant)}
+
     @app.get("/health")
     async def health() -> Response:
         if engine.healthy:
@@ -124,7 +130,8 @@ def _info_routes(
 
     @app.get("/metrics")
     async def metrics_endpoint(request: Request) -> Response:
-        auth.tenant(request.headers.get("authorization"))  # 401 without a valid key when keys are configured
+        # operators only: the series name every tenant, with their request counts and prefix-cache hits
+        check_operator(request.headers.get("authorization"), settings.admin_key, settings.metrics_key, auth)
         snapshot = await engine.run_between_steps(engine.snapshot) if engine.healthy else None
         return Response(metrics.render(snapshot), media_type=CONTENT_TYPE)
 

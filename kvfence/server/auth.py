@@ -59,6 +59,41 @@ class Authenticator:
         return found
 
 
+def check_operator(
+    authorization: str | None, admin_key: str | None, metrics_key: str | None, tenants: Authenticator
+) -> None:
+    """GET /metrics: the admin key or the scrape key, never a tenant's (its series name every tenant). Without
+    either key configured, a server with tenants serves /metrics to nobody; a single-user server (no
+    --api-keys) serves it to anyone, as it serves everything else."""
+    operators = [k.encode() for k in (admin_key, metrics_key) if k]
+    scheme, _, token = (authorization or "").partition(" ")
+    given = token.strip().encode() if scheme.lower() == "bearer" else b""
+    if not operators and not tenants.enabled:
+        return
+    if given and any(
+        [hmac.compare_digest(k, given) for k in operators]
+    ):  # every key compared, matched or not
+        return
+    try:
+        tenant = tenants.tenant(authorization) if given else None
+    except OpenAIError:
+        tenant = None
+    if tenant is not None:
+        hint = "" if operators else " (none is configured: start kvfence with --metrics-key or --admin-key)"
+        raise OpenAIError(403, f"/metrics needs an operator credential, not a tenant's API key{hint}.",
+                          code="permission_denied")  # fmt: skip
+    realm = {"WWW-Authenticate": 'Bearer realm="kvfence-operator"'}
+    raise OpenAIError(401, "Missing or incorrect operator key (the admin key or the metrics key).",
+                      code="invalid_api_key", headers=realm)  # fmt: skip
+
+
+def check_distinct(keys: Mapping[str, str] | None, *operator_keys: str | None) -> None:
+    """An operator key must not also be a tenant's API key (it would open /metrics to that tenant)."""
+    for key in operator_keys:
+        if key and keys and key in keys:
+            raise ValueError("an operator key (--admin-key / --metrics-key) is also a tenant's API key")
+
+
 def _unauthorized(message: str) -> OpenAIError:
     return OpenAIError(
         401, message, code="invalid_api_key", headers={"WWW-Authenticate": 'Bearer realm="kvfence"'}

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -68,6 +69,20 @@ class ServerMetrics:
         )
         self._engine = _EngineCollector()
         self.registry.register(self._engine)
+        self._usage: dict[str, dict[str, int]] = {}  # tenant -> its own counters (GET /v1/usage)
+        self._usage_lock = threading.Lock()
+
+    def usage_of(self, tenant: str) -> dict[str, int]:
+        """One tenant's own counters: requests that ended, and their prompt and completion tokens."""
+        with self._usage_lock:
+            return dict(self._usage.get(tenant, {"requests": 0, "prompt_tokens": 0, "completion_tokens": 0}))
+
+    def _count_usage(self, tenant: str, prompt_tokens: int, completion_tokens: int) -> None:
+        with self._usage_lock:
+            u = self._usage.setdefault(tenant, {"requests": 0, "prompt_tokens": 0, "completion_tokens": 0})
+            u["requests"] += 1
+            u["prompt_tokens"] += prompt_tokens
+            u["completion_tokens"] += completion_tokens
 
     # ---- the AsyncEngine observer (engine thread) -------------------------------------------------------
 
@@ -81,6 +96,7 @@ class ServerMetrics:
         outcome, reason = outcome_of(end)
         self.requests.labels(outcome, reason, end.tenant).inc()
         out = end.output
+        self._count_usage(end.tenant, out.num_prompt_tokens, out.num_output_tokens)
         integrity = (
             "failed"
             if out.error_code == "kv_integrity_error"

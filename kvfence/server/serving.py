@@ -53,6 +53,7 @@ class ServerSettings:
     max_body_bytes: int = 4 << 20
     retry_after_s: int = 1
     admin_key: str | None = None  # opens GET /debug/kv (the KV page map); None: nobody may read it
+    metrics_key: str | None = None  # opens GET /metrics only (a scrape credential), as the admin key does
     preflight: PreflightReport | None = None  # this node's I6 verdict, shown on the page map
     # what GET /debug/config returns (admin key): the effective configuration tree, and (PD) each worker's
     config_view: Callable[[], dict[str, Any]] | None = None
