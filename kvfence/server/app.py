@@ -4,9 +4,11 @@ Boundary: HTTP in, HTTP out. Each route authenticates (the tenant comes from the
 under a size limit (413 on Content-Length and again while reading), validates it (400 naming the parameter)
 and hands it to `Serving`. A client that disconnects before its body is complete is counted as aborted. The
 app's lifespan starts and stops the engine thread. With API keys configured, every route but /health needs a
-key: /metrics too, since its labels name tenants.
+key. /metrics needs an operator's (the admin key or the scrape key), never a tenant's: its labels name tenants;
+a tenant reads its own counters at GET /v1/usage (docs/security.md).
 
-Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health, GET /metrics; the KV
+Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /v1/usage, GET /health,
+GET /metrics; the KV
 page map's GET /dashboard (no data, no key) and GET /debug/kv (the admin key, not a tenant's; kvfence/dashboard);
 GET /debug/config (the admin key): the effective configuration tree (kvfence/config.py).
 """
