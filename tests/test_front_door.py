@@ -111,7 +111,11 @@ def test_https_serves_with_the_given_certificate_and_refuses_plain_http(tmp_path
            "float32", "--threads", "1", "--ssl-keyfile", str(key), "--ssl-certfile", str(cert)]  # fmt: skip
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        with httpx.Client(base_url=f"https://127.0.0.1:{port}", verify=ssl.create_default_context(cafile=str(cert)), timeout=10) as client:
+        with httpx.Client(
+            base_url=f"https://127.0.0.1:{port}",
+            verify=ssl.create_default_context(cafile=str(cert)),
+            timeout=10,
+        ) as client:
             deadline = time.monotonic() + 120
             while True:
                 with contextlib.suppress(httpx.TransportError):

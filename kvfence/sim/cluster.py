@@ -41,8 +41,10 @@ from kvfence.engine.errors import AdmissionError
 from kvfence.engine.output import RequestOutput
 from kvfence.engine.request import SamplingParams
 from kvfence.faults import Faults
-from kvfence.ids import RequestId
+from kvfence.ids import LeaseId, PageId, RequestId
 from kvfence.pd import control, wire
+from kvfence.pd.local import layout_fingerprint
+from kvfence.pd.messages import PageFrame, Ticket
 from kvfence.pd.router_core import NoWorkers
 from kvfence.sim.nodes import ROUTER, VOCAB, Crash, SimRouter, SimWorker, make_engine
 from kvfence.sim.runner import expected_token
@@ -76,10 +78,15 @@ class Simulation:
         self._names = itertools.count()
         self._lease_prefixes = itertools.count(1)
         self.clients: dict[str, Client] = {}
+        # transfer id -> the decode workers the router named for it (I10; several only under reuse_transfer_id)
+        self._named: dict[int, set[str]] = {}
+        self.rogue: str | None = None  # cfg.rogue: the compromised decode worker's name
         for _ in range(cfg.num_prefill):
             self.start_worker("prefill")
         for _ in range(cfg.num_decode):
-            self.start_worker("decode")
+            worker = self.start_worker("decode")
+            if cfg.rogue and self.rogue is None:
+                self.rogue = worker.name
         self._schedule(REAP_S, "router_reap", ())
         self._plan_clients()
 
@@ -228,6 +235,10 @@ class Simulation:
             return None
         if plane == "control":
             msg = worker.role.control.decode(payload)
+            if isinstance(msg, control.Expect):
+                self._named.setdefault(msg.transfer_id, set()).add(dst)
+                if self.rogue is not None and dst != self.rogue:
+                    self._rogue_acts(msg)
             rid = (
                 msg.request_id
                 if isinstance(msg, control.Prefill | control.Expect | control.AbortRequest)
@@ -238,10 +249,33 @@ class Simulation:
                 self._guarded(worker, lambda: worker.role.control(msg))
         else:
             message = wire.decode(payload)
+            named = self._named.get(message.transfer_id)
+            if isinstance(message, PageFrame) and named is not None and dst not in named:
+                raise Violation(
+                    f"I10: a page of transfer {message.transfer_id} went to {dst}, not to {named}"
+                )
             self.trace("net_recv", plane=plane, src=src, dst=dst, msg=type(message).__name__,
                        tid=message.transfer_id, index=getattr(message, "index", None))  # fmt: skip
             self._guarded(worker, lambda: worker.role.on_message(src, message))
         return worker
+
+    def _rogue_acts(self, expect: control.Expect) -> None:
+        """The compromised member, for a request placed on another decode worker: a forged final output (a
+        token that is not the request's) to the router, and its own ticket for the transfer to the prefill."""
+        rogue, rid = self.rogue, expect.request_id
+        assert rogue is not None
+        if not self.workers[rogue].alive:
+            return
+        n = len(expect.prompt_ids)
+        wrong = (expected_token(rid, n, VOCAB) + 1) % VOCAB
+        forged = RequestOutput(rid, (wrong,), "", True, "stop", None, n, 1, "", (wrong,))
+        self.trace("rogue", request_id=rid, tid=expect.transfer_id)
+        self.send_control(rogue, ROUTER, control.encode(control.Output(forged)))
+        engine = self.workers[rogue].engine
+        pages = engine.pool.pages_for(n)
+        ticket = Ticket(expect.transfer_id, rid, tuple(PageId(i) for i in range(pages)),
+                        tuple(LeaseId(1) for _ in range(pages)), layout_fingerprint(engine))  # fmt: skip
+        self.send_data(rogue, expect.prefill_addr, wire.encode(ticket))
 
     def _step(self, name: str) -> SimWorker | None:
         worker = self.workers[name]

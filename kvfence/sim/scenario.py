@@ -38,6 +38,9 @@ class SimConfig:
     crashes: int = 0
     checks: bool = True  # the engines' I1 checks and the receivers' checks (--no-integrity-checks when False)
     faults: str = ""  # "knob=count,..." armed on every worker engine and the router
+    # I10: the first decode worker is compromised (a member with a stolen key): for every request placed on
+    # another decode worker it sends the router a forged final output and the prefill a ticket of its own
+    rogue: bool = False
     window: int = 2
     transfer_timeout_s: float = 1.5
     prefill_timeout_s: float = 3.0
