@@ -69,3 +69,36 @@ def test_spin(results: dict[str, Any], name: str) -> None:
     assert res.ok, (
         f"{name}: {res.verdict} (expected {res.expect}); {res.detail}\ntrail: {res.trail}\n{events}"
     )
+
+
+# ---- I10: the cluster-identity model (verify/identity.pml) -------------------------------------------------
+
+IDENTITY = {  # defines -> the assertion Spin must refute, or None: verified
+    ("-DAUTH=1", "-DBIND=1"): None,
+    ("-DAUTH=1", "-DBIND_OUT=0"): "origin==placed[r]",  # a member answers for a request placed on another
+    ("-DAUTH=1", "-DBIND_PAGES=0"): "origin==named[r]",  # a member takes the pages of another's transfer
+    ("-DAUTH=0", "-DBIND=1"): "assertionviolated(origin==",  # an intruder without a key names itself a member
+}
+
+
+@pytest.mark.parametrize("defines", sorted(IDENTITY), ids=lambda d: " ".join(d))
+def test_identity_model(defines, tmp_path):
+    import shutil
+    import subprocess
+
+    if shutil.which("spin") is None or shutil.which("gcc") is None:
+        pytest.fail("spin and gcc are missing (make test installs them)")
+    subprocess.run(["spin", *defines, "-a", str(ROOT / "verify" / "identity.pml")], cwd=tmp_path, check=True,
+                   capture_output=True)  # fmt: skip
+    subprocess.run(
+        ["gcc", "-O2", "-DSAFETY", "-o", "pan", "pan.c"], cwd=tmp_path, check=True, capture_output=True
+    )
+    out = subprocess.run(
+        ["./pan", "-m100000"], cwd=tmp_path, capture_output=True, text=True, timeout=300
+    ).stdout
+    errors = int(re.search(r"errors: (\d+)", out).group(1))  # type: ignore[union-attr]
+    expected = IDENTITY[defines]
+    if expected is None:
+        assert errors == 0 and "Search not completed" not in out, out
+    else:
+        assert errors >= 1 and expected in out.replace(" ", ""), out
