@@ -22,6 +22,7 @@ import shutil
 import stat
 import tempfile
 import threading
+import time
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,6 +36,7 @@ log = logging.getLogger("kvfence.pd.keys")
 ROLES = ("prefill", "decode")
 ROUTER = "router"
 CONTROL_DOMAIN = "kvfence-control"  # ZAP domain of the router's control socket: prefill and decode keys
+LOG_EVERY_S = 60.0  # a refused key is logged at most this often (every refusal is counted)
 DATA_DOMAIN = "kvfence-data"  # ZAP domain of a prefill's data socket: decode keys
 HANDSHAKE_FAILURES: dict[int, str] = {
     zmq.EVENT_HANDSHAKE_FAILED_AUTH: "auth",  # a key not in the allowlist (ZAP said no)
@@ -224,6 +226,7 @@ class Gate:
         self.refused: Counter[str] = Counter()  # handshakes refused, by domain
         self._lock = threading.Lock()
         self._domains: dict[str, Any] = {}
+        self._logged: dict[bytes, float] = {}  # refused key -> when it was last logged
         self.auth = ThreadAuthenticator(ctx, log=logging.getLogger("kvfence.pd.zap"))
         self.auth.start()
 
@@ -241,7 +244,17 @@ class Gate:
         if not ok:
             with self._lock:
                 self.refused[domain] += 1
-            log.warning("%s: refused a connection with an unknown key %s", domain, key.decode()[:8])
+                now, last = time.monotonic(), self._logged.get(key, -LOG_EVERY_S)
+                quiet = (
+                    now - last < LOG_EVERY_S
+                )  # a refused client retries every 100 ms: log it once a minute
+                if not quiet:
+                    self._logged[key] = now
+                    if len(self._logged) > 1024:  # keys seen, bounded
+                        self._logged.clear()
+            if not quiet:
+                log.warning("%s: refused a connection with an unknown key %s (counted in /metrics; logged once a "
+                            "minute per key)", domain, key.decode()[:8])  # fmt: skip
         return ok
 
     def stop(self) -> None:
