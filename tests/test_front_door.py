@@ -22,8 +22,8 @@ ADMIN = "admin-key"
 CREDENTIALS = {"none": None, "unknown": "nobody", "tenant": "key-bob", "scrape": SCRAPE_KEY, "admin": ADMIN}
 EXPECTED = {  # route -> status per credential, in CREDENTIALS' order
     "/metrics": (401, 401, 403, 200, 200),
-    "/debug/kv": (401, 401, 401, 401, 200),
-    "/debug/config": (401, 401, 401, 401, 200),
+    "/debug/kv": (401, 401, 403, 403, 200),
+    "/debug/config": (401, 401, 403, 403, 200),
     "/v1/usage": (401, 401, 200, 401, 401),
 }
 
@@ -86,8 +86,8 @@ def test_an_operator_key_that_is_a_tenants_key_or_bad_tls_files_stop_the_start(t
     keys = tmp_path / "keys.json"
     keys.write_text('{"key-alice": "alice"}')
     for flags, problem in (
-        (["--admin-key", "key-alice"], "also a tenant's API key"),
-        (["--metrics-key", "key-alice"], "also a tenant's API key"),
+        (["--admin-key", "key-alice"], "also the API key of tenant 'alice'"),
+        (["--metrics-key", "key-alice"], "also the API key of tenant 'alice'"),
         (["--ssl-keyfile", str(tmp_path / "nope.pem")], "go together"),
         (
             ["--ssl-keyfile", str(tmp_path / "k.pem"), "--ssl-certfile", str(tmp_path / "c.pem")],
