@@ -113,9 +113,11 @@ def _info_routes(
 
     @app.get("/v1/usage")
     async def usage(request: Request) -> dict[str, Any]:
-        """The caller's own usage (its tenant's), never another tenant's."""
+        """The caller's own tenant's counters, never another tenant's (docs/server.md)."""
         tenant = auth.tenant(request.headers.get("authorization"))
-        return {"object": "usage", "tenant": tenant, **metrics.usage_of(tenant)}
+        snapshot = await engine.run_between_steps(engine.snapshot) if engine.healthy else None
+        cache = snapshot.prefix_cache if snapshot is not None else None
+        return {"object": "usage", "tenant": tenant, **metrics.usage_of(tenant, cache)}
 
     @app.get("/health")
     async def health() -> Response:
