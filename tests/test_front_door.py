@@ -35,6 +35,9 @@ EXPECTED = {  # route -> credential -> status, on a server with tenants, the adm
     "/debug/kv": {"none": 401, "unknown": 401, "tenant": 403, "scrape": 403, "admin": 200},
     "/debug/config": {"none": 401, "unknown": 401, "tenant": 403, "scrape": 403, "admin": 200},
     "/v1/usage": {"none": 401, "unknown": 401, "tenant": 200, "scrape": 401, "admin": 401},
+    "/v1/models": {"none": 401, "unknown": 401, "tenant": 200, "scrape": 401, "admin": 401},
+    "/health": {"none": 200, "unknown": 200, "tenant": 200, "scrape": 200, "admin": 200},
+    "/dashboard": {"none": 200, "unknown": 200, "tenant": 200, "scrape": 200, "admin": 200},
 }
 PROMPT = random.Random(7).choices(range(3, 100), k=41)  # 10 full pages of 4 tokens: 40 tokens can hit
 DEADLINE_S = 30.0
@@ -101,6 +104,19 @@ def test_each_route_opens_to_its_credentials_only(server, route, credential):
     if r.status_code == 401:
         assert r.json()["error"]["code"] in ("invalid_api_key", "invalid_admin_key")
         assert r.headers["www-authenticate"].startswith("Bearer realm=")
+
+
+@pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions"])
+def test_operator_keys_are_not_tenants(server, route):
+    body = {
+        "model": MODEL,
+        "prompt": [5, 6],
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 1,
+    }
+    for key in (SCRAPE_KEY, ADMIN):
+        r = httpx.post(f"{server.url}{route}", json=body, headers=bearer(key), timeout=DEADLINE_S)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", r.text
 
 
 def test_the_metrics_body_reaches_operators_only(traffic):
