@@ -217,7 +217,7 @@ def test_debug_config_returns_the_effective_tree_to_the_admin_only(tiny_model):
     ) as srv:
         assert httpx.get(f"{srv.url}/debug/config").status_code == 401
         tenant = httpx.get(f"{srv.url}/debug/config", headers={"Authorization": "Bearer k-alice"})
-        assert tenant.status_code == 401  # a tenant's key does not open it
+        assert tenant.status_code == 403  # a tenant's key does not open it
         got = httpx.get(f"{srv.url}/debug/config", headers={"Authorization": "Bearer adm"})
         assert got.status_code == 200
         body = got.json()

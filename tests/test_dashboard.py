@@ -26,7 +26,6 @@ import openai
 import pytest
 from rich.console import Console
 
-from kvfence.dashboard.routes import check_admin
 from kvfence.dashboard.snapshot import (
     FREE,
     LEASED,
@@ -46,6 +45,7 @@ from kvfence.pd.messages import PageFrame, TransferId
 from kvfence.pd.receiver import TransferReceiver
 from kvfence.server.app import build_app
 from kvfence.server.async_engine import AsyncEngine
+from kvfence.server.auth import Authenticator, Operators
 from kvfence.server.background import serve_in_thread
 from kvfence.server.errors import OpenAIError
 from kvfence.server.metrics import ServerMetrics
@@ -187,10 +187,12 @@ def both_tenants(snapshot: dict[str, Any]) -> bool:
 
 
 def test_debug_kv_needs_the_admin_key(server):
-    for headers in ({}, {"Authorization": "Bearer sk-team-a"}, {"Authorization": "Bearer wrong"}):
+    for headers in ({}, {"Authorization": "Bearer wrong"}):
         response = httpx.get(f"{server.url}/debug/kv", headers=headers)
         assert response.status_code == 401
         assert response.json()["error"]["code"] == "invalid_admin_key"
+    tenant = httpx.get(f"{server.url}/debug/kv", headers={"Authorization": "Bearer sk-team-a"})
+    assert tenant.status_code == 403 and tenant.json()["error"]["code"] == "permission_denied"
     assert httpx.get(f"{server.url}/debug/kv", headers=ADMIN_HEADER).status_code == 200
     page = httpx.get(f"{server.url}/dashboard")  # the page holds no data: no key needed
     assert page.status_code == 200 and "default-src 'self'" in page.headers["content-security-policy"]
@@ -200,9 +202,11 @@ def test_debug_kv_needs_the_admin_key(server):
 
 
 def test_a_server_without_an_admin_key_shows_nobody():
-    with pytest.raises(OpenAIError) as exc:
-        check_admin(None, f"Bearer {ADMIN}")
-    assert exc.value.status == 401 and "--admin-key" in exc.value.message
+    operators = Operators(None, None, Authenticator(KEYS))
+    for key, status in ((ADMIN, 401), ("sk-team-a", 403)):
+        with pytest.raises(OpenAIError) as exc:
+            operators.check_admin(f"Bearer {key}", "/debug/kv")
+        assert exc.value.status == status and "--admin-key" in exc.value.message
 
 
 # ---- the snapshot ---------------------------------------------------------------------------------------
@@ -351,7 +355,7 @@ def _hover_shows_the_owner(browser: Any, chains: Any, by: Any, tenant: str) -> b
 # ---- the terminal view ----------------------------------------------------------------------------------
 
 
-def test_top_prints_the_map_for_a_headless_host(server):
+def test_top_prints_the_map_for_a_headless_host(server, capsys):
     console = Console(file=io.StringIO(), width=150, force_terminal=False)
     with load(server.url):
         wait_until(lambda: debug_kv(server.url), both_tenants, "leased pages of both tenants")
@@ -360,8 +364,10 @@ def test_top_prints_the_map_for_a_headless_host(server):
     out = console.file.getvalue()  # type: ignore[attr-defined]
     assert "colocated (colocated) · preflight ok" in out and "384 pages" in out
     assert "team-a" in out and "team-b" in out and "Integrity failures" in out
-    wrong = SimpleNamespace(url=server.url, admin_key="nope", once=True, interval=1.0)
-    assert cmd_top(wrong, Console(file=io.StringIO())) == 1
+    for key in ("nope", "sk-team-a"):  # unknown (401), and a tenant's (403): both refused, said so
+        wrong = SimpleNamespace(url=server.url, admin_key=key, once=True, interval=1.0)
+        assert cmd_top(wrong, Console(file=io.StringIO())) == 1
+        assert "the admin key was refused" in capsys.readouterr().err
 
 
 # ---- PD: the router aggregates its workers ---------------------------------------------------------------
@@ -379,7 +385,7 @@ def pd_url(tiny_dir, tmp_path_factory) -> Iterator[str]:
 
 def test_pd_router_aggregates_every_workers_map(pd_url):
     assert httpx.get(f"{pd_url}/debug/kv").status_code == 401
-    assert httpx.get(f"{pd_url}/debug/kv", headers={"Authorization": "Bearer sk-team-b"}).status_code == 401
+    assert httpx.get(f"{pd_url}/debug/kv", headers={"Authorization": "Bearer sk-team-b"}).status_code == 403
     assert httpx.get(f"{pd_url}/dashboard").status_code == 200
     with load(pd_url, per_tenant=2):
         snapshot = wait_until(

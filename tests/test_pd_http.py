@@ -124,6 +124,31 @@ def test_pd_http_refuses_unknown_keys(pd_server, tiny_dir):
         )
 
 
+def test_pd_router_gives_a_tenant_its_own_usage_and_keeps_the_operator_routes_shut(pd_server, tiny_dir):
+    """The router's front is colocated's (build_app): a tenant reads its usage, not /metrics or /debug/*."""
+    base = str(pd_server.base_url).rstrip("/").removesuffix("/v1")
+    tenant_a = {"Authorization": "Bearer key-a"}
+
+    def usage() -> dict:
+        r = httpx.get(f"{base}/v1/usage", headers=tenant_a, timeout=10)
+        assert r.status_code == 200, r.text
+        assert "tenant-b" not in r.text
+        return r.json()
+
+    before = usage()["requests"]
+    pd_server.completions.create(model=tiny_dir.name, prompt=[5, 6, 7], max_tokens=2)
+    deadline = time.monotonic() + 30
+    while (after := usage())["requests"] == before:  # counted when the router sees the end, after the reply
+        assert time.monotonic() < deadline, after
+        time.sleep(0.05)  # poll interval
+    assert after["tenant"] == "tenant-a" and after["requests"] == before + 1
+    assert after["prefix_cache"] is None  # the router holds no cache: its prefill workers do
+    for route in ("/metrics", "/debug/kv", "/debug/config"):
+        assert httpx.get(f"{base}{route}", headers=tenant_a, timeout=10).status_code == 403, route
+    scrape = httpx.get(f"{base}/metrics", headers={"Authorization": f"Bearer {SCRAPE_KEY}"}, timeout=10)
+    assert scrape.status_code == 200 and 'tenant="tenant-a"' in scrape.text
+
+
 def test_router_metrics_show_every_workers_pool(pd_server):
     """The router holds no pages; its /metrics shows each worker's pool (from heartbeats) and failures."""
     base = str(pd_server.base_url).rstrip("/").removesuffix("/v1")

@@ -4,14 +4,14 @@ Boundary: HTTP only. The data comes from a `KvSource`: colocated, a `KvMapper` r
 two steps; PD, the router asking every worker (`Router.debug_kv`), each answering between its own steps.
 
 Access: /debug/kv names tenants and shows prompt text, so it needs the admin key (`--admin-key`, sent as
-`Authorization: Bearer KEY`); tenant API keys do not open it, and a server started without an admin key answers
-401 to everyone. The page holds no data and needs no key: it asks for the admin key and keeps it in the tab's
-sessionStorage, or takes it from the URL fragment (`/dashboard#key=...`), which browsers never send to a server.
+`Authorization: Bearer KEY`; `Operators.check_admin` in kvfence/server/auth.py): a tenant's API key or the scrape key
+gets 403, no key or an unknown one 401, and a server started without an admin key opens it to nobody. The page
+holds no data and needs no key: it asks for the admin key and keeps it in the tab's sessionStorage, or takes it
+from the URL fragment (`/dashboard#key=...`), which browsers never send to a server.
 """
 
 from __future__ import annotations
 
-import hmac
 import time
 from collections.abc import Awaitable, Callable
 from importlib import resources
@@ -25,6 +25,7 @@ from kvfence.dashboard.snapshot import SCHEMA_VERSION, KvMapper
 from kvfence.engine.errors import EngineUnavailable
 from kvfence.engine.preflight import PreflightReport
 from kvfence.server.async_engine import AsyncEngine
+from kvfence.server.auth import Operators
 from kvfence.server.errors import OpenAIError, unavailable
 
 KvSource = Callable[[], Awaitable[dict[str, Any]]]
@@ -38,7 +39,7 @@ PAGE_HEADERS = {
 }
 
 
-def add_dashboard_routes(app: FastAPI, source: KvSource, admin_key: str | None) -> None:
+def add_dashboard_routes(app: FastAPI, source: KvSource, operators: Operators) -> None:
     page = _static("dashboard.html")
     assets = {name: _static(name) for name in ASSETS}
 
@@ -54,19 +55,8 @@ def add_dashboard_routes(app: FastAPI, source: KvSource, admin_key: str | None) 
 
     @app.get("/debug/kv")
     async def debug_kv(request: Request) -> Response:
-        check_admin(admin_key, request.headers.get("authorization"))
+        operators.check_admin(request.headers.get("authorization"), "/debug/kv")
         return JSONResponse(await source(), headers={"Cache-Control": "no-store"})
-
-
-def check_admin(admin_key: str | None, authorization: str | None) -> None:
-    """Raise a 401 unless `authorization` is `Bearer <admin_key>` (constant-time compare)."""
-    headers = {"WWW-Authenticate": 'Bearer realm="kvfence-admin"'}
-    if admin_key is None:
-        message = "the KV page map is disabled: start kvfence with --admin-key (or KVFENCE_ADMIN_KEY)"
-        raise OpenAIError(401, message, code="invalid_admin_key", headers=headers)
-    scheme, _, token = (authorization or "").partition(" ")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), admin_key.encode()):
-        raise OpenAIError(401, "Missing or incorrect admin key.", code="invalid_admin_key", headers=headers)
 
 
 def local_kv_source(engine: AsyncEngine, preflight: PreflightReport | None) -> KvSource:

@@ -49,7 +49,11 @@ def fetch(url: str, admin_key: str, timeout: float = 5.0) -> dict[str, Any]:
             snapshot: dict[str, Any] = json.load(response)
             return snapshot
     except urllib.error.HTTPError as e:
-        reason = "the admin key was refused (see --admin-key)" if e.code == 401 else f"HTTP {e.code}"
+        refused = e.code in (
+            401,
+            403,
+        )  # 403: a key the server knows (a tenant's, the scrape key), not the admin key
+        reason = "the admin key was refused (see --admin-key)" if refused else f"HTTP {e.code}"
         raise TopError(f"{url}/debug/kv: {reason}") from e
     except (urllib.error.URLError, OSError) as e:
         raise TopError(f"{url}/debug/kv: {e}") from e

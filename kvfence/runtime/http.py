@@ -40,7 +40,9 @@ def serve_http(
     check_distinct(keys, server.admin_key, server.metrics_key)
     tls = check_tls(server.ssl_keyfile, server.ssl_certfile)
     if keys is not None and not server.admin_key and not server.metrics_key:
-        log.warning("/metrics is closed: its series name tenants, so it needs --metrics-key or --admin-key")
+        log.warning("/metrics is closed to everyone: its series name tenants, so no tenant's key opens it; to "
+                    "scrape it, start with --metrics-key KEY (or KVFENCE_METRICS_KEY) and give Prometheus that "
+                    "key (docs/security.md)")  # fmt: skip
     if keys is not None and not tls and not is_loopback(server.host):
         log.warning("serving on %s without HTTPS: API keys cross the network in the clear "
                     "(--ssl-keyfile/--ssl-certfile)", server.host)  # fmt: skip
@@ -80,18 +82,23 @@ def front_door_problem(config: Config, command: str) -> str | None:
 
 
 def check_tls(keyfile: str | None, certfile: str | None) -> bool:
-    """Whether to serve HTTPS; both files must be readable PEM (ValueError naming the path, exit 2)."""
+    """Whether to serve HTTPS. Both files must be readable and hold a certificate chain and its private key
+    (PEM); else ValueError naming the flag and the path (exit 2 at startup, before anything loads)."""
     import ssl
 
-    if keyfile is None or certfile is None:
+    if keyfile is None or certfile is None:  # ServerOptions has checked they come together
         return False
-    for path in (keyfile, certfile):
-        if not Path(path).is_file():
-            raise ValueError(f"{path}: no such file (--ssl-keyfile / --ssl-certfile)")
+    for flag, path in (("--ssl-keyfile", keyfile), ("--ssl-certfile", certfile)):
+        try:
+            Path(path).read_bytes()
+        except OSError as exc:
+            raise ValueError(f"{flag} {path}: cannot read it ({exc.strerror or exc})") from exc
     try:
         ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(certfile, keyfile)
     except (ssl.SSLError, OSError) as exc:
-        raise ValueError(f"{certfile} / {keyfile}: not a usable certificate and key: {exc}") from exc
+        raise ValueError(
+            f"--ssl-certfile {certfile} with --ssl-keyfile {keyfile}: not a usable certificate and key ({exc})"
+        ) from exc
     return True
 
 

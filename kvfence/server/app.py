@@ -3,14 +3,14 @@
 Boundary: HTTP in, HTTP out. Each route authenticates (the tenant comes from the API key, I7), reads the body
 under a size limit (413 on Content-Length and again while reading), validates it (400 naming the parameter)
 and hands it to `Serving`. A client that disconnects before its body is complete is counted as aborted. The
-app's lifespan starts and stops the engine thread. With API keys configured, every route but /health needs a
-key. /metrics needs an operator's (the admin key or the scrape key), never a tenant's: its labels name tenants;
-a tenant reads its own counters at GET /v1/usage (docs/security.md).
+app's lifespan starts and stops the engine thread. With API keys configured, every route but /health and the
+page itself needs a key.
 
-Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /v1/usage, GET /health,
-GET /metrics; the KV
-page map's GET /dashboard (no data, no key) and GET /debug/kv (the admin key, not a tenant's; kvfence/dashboard);
-GET /debug/config (the admin key): the effective configuration tree (kvfence/config.py).
+Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /v1/usage (the caller's own
+tenant's counters), GET /health; and the operator routes, which a tenant's key never opens (403; `Operators` in
+auth.py, docs/security.md): GET /metrics (its series name tenants: the admin key or the scrape key), GET /debug/kv
+(the KV page map's data, kvfence/dashboard) and GET /debug/config (the effective configuration tree,
+kvfence/config.py), both the admin key only. GET /dashboard, the page map's page, holds no data and needs no key.
 """
 
 from __future__ import annotations
@@ -25,9 +25,9 @@ from pydantic import BaseModel
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 
-from kvfence.dashboard.routes import KvSource, add_dashboard_routes, check_admin, local_kv_source
+from kvfence.dashboard.routes import KvSource, add_dashboard_routes, local_kv_source
 from kvfence.server.async_engine import AsyncEngine
-from kvfence.server.auth import Authenticator, check_operator
+from kvfence.server.auth import Authenticator, Operators
 from kvfence.server.errors import OpenAIError, install_handlers, invalid
 from kvfence.server.metrics import CONTENT_TYPE, ServerMetrics
 from kvfence.server.protocol import ChatCompletionRequest, CompletionRequest, capacity, parse_body
@@ -47,6 +47,7 @@ def build_app(
     the KV page map comes from (default: the local engine, between its steps)."""
     metrics = metrics or _observer_metrics(engine)
     auth = Authenticator(settings.api_keys)
+    operators = Operators(settings.admin_key, settings.metrics_key, auth)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -61,16 +62,8 @@ def build_app(
     app.state.engine, app.state.metrics, app.state.settings = engine, metrics, settings
     _generation_routes(app, Serving(engine, settings, metrics), auth, settings.max_body_bytes, metrics)
     _info_routes(app, engine, settings, auth, metrics)
-    add_dashboard_routes(app, kv_source or local_kv_source(engine, settings.preflight), settings.admin_key)
-
-    @app.get("/debug/config")
-    async def debug_config(request: Request) -> dict[str, Any]:
-        """The effective configuration (secrets left out), and in PD mode each worker's: admin key only."""
-        check_admin(settings.admin_key, request.headers.get("authorization"))
-        if settings.config_view is None:
-            raise OpenAIError(404, "this server was built without a configuration view", code="not_found")
-        return settings.config_view()
-
+    _operator_routes(app, engine, settings, operators, metrics)
+    add_dashboard_routes(app, kv_source or local_kv_source(engine, settings.preflight), operators)
     return app
 
 
@@ -120,9 +113,11 @@ def _info_routes(
 
     @app.get("/v1/usage")
     async def usage(request: Request) -> dict[str, Any]:
-        """The caller's own usage (its tenant's), never another tenant's."""
+        """The caller's own tenant's counters, never another tenant's (docs/server.md)."""
         tenant = auth.tenant(request.headers.get("authorization"))
-        return {"object": "usage", "tenant": tenant, **metrics.usage_of(tenant)}
+        snapshot = await engine.run_between_steps(engine.snapshot) if engine.healthy else None
+        cache = snapshot.prefix_cache if snapshot is not None else None
+        return {"object": "usage", "tenant": tenant, **metrics.usage_of(tenant, cache)}
 
     @app.get("/health")
     async def health() -> Response:
@@ -130,12 +125,26 @@ def _info_routes(
             return JSONResponse({"status": "ok"})
         return JSONResponse({"status": "unavailable"}, status_code=503)
 
+
+def _operator_routes(
+    app: FastAPI, engine: AsyncEngine, settings: ServerSettings, operators: Operators, metrics: ServerMetrics
+) -> None:
+    """The routes a tenant's key never opens (GET /debug/kv is the dashboard's)."""
+
     @app.get("/metrics")
     async def metrics_endpoint(request: Request) -> Response:
-        # operators only: the series name every tenant, with their request counts and prefix-cache hits
-        check_operator(request.headers.get("authorization"), settings.admin_key, settings.metrics_key, auth)
+        # the series name every tenant, with their request counts and prefix-cache hits
+        operators.check_metrics(request.headers.get("authorization"))
         snapshot = await engine.run_between_steps(engine.snapshot) if engine.healthy else None
         return Response(metrics.render(snapshot), media_type=CONTENT_TYPE)
+
+    @app.get("/debug/config")
+    async def debug_config(request: Request) -> dict[str, Any]:
+        """The effective configuration (secrets left out), and in PD mode each worker's: admin key only."""
+        operators.check_admin(request.headers.get("authorization"), "/debug/config")
+        if settings.config_view is None:
+            raise OpenAIError(404, "this server was built without a configuration view", code="not_found")
+        return settings.config_view()
 
 
 async def read_body(request: Request, limit: int) -> bytes:

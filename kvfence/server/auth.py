@@ -1,7 +1,9 @@
-"""API keys and tenants (I7: the tenant comes from the authenticated key, never from a request field).
+"""Who the caller is at the HTTP front door: tenants by API key (I7: the tenant comes from the authenticated key,
+never from a request field), and operators by the admin and scrape keys (`Operators`, docs/security.md).
 
 Keys file: TOML or JSON, a flat mapping `"key" = "tenant"`. Without a keys file the server has one tenant,
-`anonymous`, and accepts any or no Authorization header (it binds to loopback unless told otherwise).
+`anonymous`, and accepts any or no Authorization header (it binds to loopback unless told otherwise). Every
+comparison of a given key runs in constant time against every configured key (`hmac.compare_digest`).
 """
 
 from __future__ import annotations
@@ -46,55 +48,106 @@ class Authenticator:
         configured and the token is missing or unknown."""
         if not self._keys:
             return ANONYMOUS
-        scheme, _, token = (authorization or "").partition(" ")
-        if scheme.lower() != "bearer" or not token.strip():
+        token = bearer_token(authorization)
+        if token is None:
             raise _unauthorized("Missing API key: send it as 'Authorization: Bearer <key>'.")
-        given = token.strip().encode()
-        found = None
-        for key, tenant in self._keys:  # compare against every key, in constant time, whatever matches
-            if hmac.compare_digest(key, given):
-                found = tenant
+        found = self.lookup(token)
         if found is None:
             raise _unauthorized("Incorrect API key provided.")
         return found
 
+    def lookup(self, token: bytes) -> str | None:
+        """The tenant whose key `token` is, or None (also when no keys are configured)."""
+        found = None
+        for key, tenant in self._keys:  # compare against every key, in constant time, whatever matches
+            if hmac.compare_digest(key, token):
+                found = tenant
+        return found
 
-def check_operator(
-    authorization: str | None, admin_key: str | None, metrics_key: str | None, tenants: Authenticator
-) -> None:
-    """GET /metrics: the admin key or the scrape key, never a tenant's (its series name every tenant). Without
-    either key configured, a server with tenants serves /metrics to nobody; a single-user server (no
-    --api-keys) serves it to anyone, as it serves everything else."""
-    operators = [k.encode() for k in (admin_key, metrics_key) if k]
+
+class Operators:
+    """The operator routes' gate (docs/security.md). The admin key opens `/metrics` and `/debug/*`; the scrape key
+    (`--metrics-key`) opens `/metrics` only. A tenant's API key opens neither: `/metrics` labels its series by
+    tenant and `/debug/kv` shows prompts. A credential this server knows that does not open the route gets 403
+    `permission_denied`; none, or one it does not know, 401.
+
+    Without an operator key: a single-user server (no --api-keys; loopback unless told otherwise) serves
+    `/metrics` to anyone, as it serves everything else; a server with tenants serves it to nobody. `/debug/*`
+    always needs the admin key: it shows prompts, and a server without one serves it to nobody."""
+
+    def __init__(self, admin_key: str | None, metrics_key: str | None, tenants: Authenticator) -> None:
+        self._admin = admin_key.encode() if admin_key else None
+        self._scrape = metrics_key.encode() if metrics_key else None
+        self._tenants = tenants
+
+    def check_metrics(self, authorization: str | None) -> None:
+        """GET /metrics: return if `authorization` opens it, else raise a 401 or 403 `OpenAIError`."""
+        accepted = [k for k in (self._admin, self._scrape) if k]
+        if not accepted and not self._tenants.enabled:
+            return
+        needs = "an operator key (--metrics-key or --admin-key)" + ("" if accepted else ", and none is set")
+        message = "Missing or incorrect operator key (the admin key or the metrics key)."
+        self._check(
+            authorization, accepted, "/metrics", needs, _unauthorized(message, realm="kvfence-operator")
+        )
+
+    def check_admin(self, authorization: str | None, route: str) -> None:
+        """GET /debug/*: return if `authorization` is the admin key, else raise a 401 or 403 `OpenAIError`."""
+        accepted = [self._admin] if self._admin else []
+        needs = "the admin key (--admin-key)" + ("" if accepted else ", and none is set")
+        message = (
+            "Missing or incorrect admin key."
+            if accepted
+            else f"{route} is disabled: start kvfence with --admin-key (or KVFENCE_ADMIN_KEY)."
+        )
+        unauthorized = _unauthorized(message, code="invalid_admin_key", realm="kvfence-admin")
+        self._check(authorization, accepted, route, needs, unauthorized)
+
+    def _check(
+        self,
+        authorization: str | None,
+        accepted: list[bytes],
+        route: str,
+        needs: str,
+        unauthorized: OpenAIError,
+    ) -> None:
+        token = bearer_token(authorization)
+        if token is not None and _matches(accepted, token):
+            return
+        if token is not None and self._knows(token):
+            message = f"This credential does not open {route}: it needs {needs}."
+            raise OpenAIError(403, message, code="permission_denied")
+        raise unauthorized
+
+    def _knows(self, token: bytes) -> bool:
+        """Whether `token` is a credential of this server (a tenant's API key or an operator key)."""
+        operators = [k for k in (self._admin, self._scrape) if k]
+        return (self._tenants.lookup(token) is not None) | _matches(operators, token)  # both compared
+
+
+def bearer_token(authorization: str | None) -> bytes | None:
+    """The token of an `Authorization: Bearer <token>` header, or None when there is none."""
     scheme, _, token = (authorization or "").partition(" ")
-    given = token.strip().encode() if scheme.lower() == "bearer" else b""
-    if not operators and not tenants.enabled:
-        return
-    if given and any(
-        [hmac.compare_digest(k, given) for k in operators]
-    ):  # every key compared, matched or not
-        return
-    try:
-        tenant = tenants.tenant(authorization) if given else None
-    except OpenAIError:
-        tenant = None
-    if tenant is not None:
-        hint = "" if operators else " (none is configured: start kvfence with --metrics-key or --admin-key)"
-        raise OpenAIError(403, f"/metrics needs an operator credential, not a tenant's API key{hint}.",
-                          code="permission_denied")  # fmt: skip
-    realm = {"WWW-Authenticate": 'Bearer realm="kvfence-operator"'}
-    raise OpenAIError(401, "Missing or incorrect operator key (the admin key or the metrics key).",
-                      code="invalid_api_key", headers=realm)  # fmt: skip
+    if scheme.lower() != "bearer" or not token.strip():
+        return None
+    return token.strip().encode()
 
 
-def check_distinct(keys: Mapping[str, str] | None, *operator_keys: str | None) -> None:
-    """An operator key must not also be a tenant's API key (it would open /metrics to that tenant)."""
-    for key in operator_keys:
+def _matches(keys: list[bytes], token: bytes) -> bool:
+    """Whether `token` is one of `keys`, comparing against every key in constant time, whatever matches."""
+    return any([hmac.compare_digest(k, token) for k in keys])  # a list, not a generator: no early exit
+
+
+def check_distinct(keys: Mapping[str, str] | None, admin_key: str | None, metrics_key: str | None) -> None:
+    """An operator key must not also be a tenant's API key (that tenant would read every tenant's series, or the
+    prompts): raises ValueError naming the flag and the tenant (exit 2 at startup)."""
+    for flag, key in (("--admin-key", admin_key), ("--metrics-key", metrics_key)):
         if key and keys and key in keys:
-            raise ValueError("an operator key (--admin-key / --metrics-key) is also a tenant's API key")
+            raise ValueError(
+                f"{flag} is also the API key of tenant {keys[key]!r} (--api-keys): an operator key must be "
+                "a key of its own"
+            )
 
 
-def _unauthorized(message: str) -> OpenAIError:
-    return OpenAIError(
-        401, message, code="invalid_api_key", headers={"WWW-Authenticate": 'Bearer realm="kvfence"'}
-    )
+def _unauthorized(message: str, code: str = "invalid_api_key", realm: str = "kvfence") -> OpenAIError:
+    return OpenAIError(401, message, code=code, headers={"WWW-Authenticate": f'Bearer realm="{realm}"'})

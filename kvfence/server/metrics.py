@@ -16,13 +16,14 @@ import json
 import logging
 import threading
 from collections.abc import Iterator
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from kvfence.engine.stats import EngineSnapshot
-from kvfence.kv.prefix_cache import PrefixCacheStats
+from kvfence.kv.prefix_cache import PrefixCacheStats, TenantCacheStats
 from kvfence.server.async_engine import RequestEnd
 
 request_log = logging.getLogger("kvfence.requests")
@@ -72,10 +73,18 @@ class ServerMetrics:
         self._usage: dict[str, dict[str, int]] = {}  # tenant -> its own counters (GET /v1/usage)
         self._usage_lock = threading.Lock()
 
-    def usage_of(self, tenant: str) -> dict[str, int]:
-        """One tenant's own counters: requests that ended, and their prompt and completion tokens."""
+    def usage_of(self, tenant: str, cache: PrefixCacheStats | None) -> dict[str, Any]:
+        """One tenant's own counters (GET /v1/usage), nothing of another's: requests that ended in the engine
+        (finished, failed or aborted) with their prompt and completion tokens; and from `cache` (the engine's
+        prefix-cache statistics, taken between steps), the tenant's looked-up and hit tokens; None without a
+        prefix cache here (the engine runs without one, or this is a PD router: its prefill workers hold it)."""
         with self._usage_lock:
-            return dict(self._usage.get(tenant, {"requests": 0, "prompt_tokens": 0, "completion_tokens": 0}))
+            counts = dict(
+                self._usage.get(tenant, {"requests": 0, "prompt_tokens": 0, "completion_tokens": 0})
+            )
+        own = None if cache is None else cache.tenants.get(tenant, TenantCacheStats())
+        hits = None if own is None else {"queried_tokens": own.queried_tokens, "hit_tokens": own.hit_tokens}
+        return {**counts, "prefix_cache": hits}
 
     def _count_usage(self, tenant: str, prompt_tokens: int, completion_tokens: int) -> None:
         with self._usage_lock:

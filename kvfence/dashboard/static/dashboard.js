@@ -415,10 +415,11 @@
       try {
         const response = await fetch("debug/kv", { headers: { Authorization: `Bearer ${key}` }, cache: "no-store" });
         if (loop !== generation) return;
-        if (response.status === 401) {
+        if (response.status === 401 || response.status === 403) {
           key = null;
           sessionStorage.removeItem(KEY_ITEM);
-          return askForKey("that key was refused");
+          const forbidden = response.status === 403; // a tenant's key or the scrape key: known, not the admin key
+          return askForKey(forbidden ? "that key does not open the page map: it needs the admin key" : "that key was refused");
         }
         if (!response.ok) throw new Error(`GET /debug/kv: HTTP ${response.status}`);
         render(await response.json(), performance.now() - t0);
