@@ -1,10 +1,13 @@
 """I6 on the router side (docs/invariants.md): registration refuses a worker whose fingerprint does not match
-the registered ones, and the limits the router admits against are the smallest any worker holds. Pure
-`RouterCore`, no sockets, no model."""
+the registered ones, and the router admits against the smallest context and the largest pool of each role,
+placing a request only on a worker whose own pool holds it (I5 per worker); placement by load and draining.
+Pure `RouterCore`, no sockets, no model."""
 
 from __future__ import annotations
 
 from typing import Any
+
+import pytest
 
 from kvfence.pd import control
 from kvfence.pd.router import RouterCore
@@ -40,14 +43,36 @@ def test_a_worker_with_another_kv_layout_is_refused():
     assert sent == [(b"P", "registered"), (b"D", "refused")]
 
 
-def test_the_router_admits_against_the_smallest_context_and_pool():
+def test_the_router_admits_against_the_smallest_context_and_places_only_on_pools_that_hold_it():
+    """I5 per worker: admission passes a request that some worker of each role can hold (the largest pool),
+    and placement never puts it on a worker whose own pool cannot hold it."""
+    from kvfence.engine.errors import PoolCapacityExceeded
+    from kvfence.engine.request import SamplingParams
+    from kvfence.ids import RequestId
+
     core, _ = core_with_outbox()
     register(core, b"P", "prefill", fingerprint(context_length=512, pool_pages=40))
     register(core, b"D1", "decode", fingerprint(context_length=256, pool_pages=96))
-    register(core, b"D2", "decode", fingerprint(context_length=384, pool_pages=80))
+    register(core, b"D2", "decode", fingerprint(context_length=384, pool_pages=8))
     prefill, decode = core.limits()
     assert (prefill.context_length, decode.context_length) == (256, 256)  # the smallest any path holds
-    assert (prefill.pool_pages, decode.pool_pages) == (40, 80)
+    assert (prefill.pool_pages, decode.pool_pages) == (40, 96)  # the largest pool of each role
+    params = SamplingParams(max_tokens=100)
+    core.admit(100, params)  # 13 pages: only D1 holds it
+    for n in range(6):  # whatever the turn, never D2
+        core.route([1] * 100, params, RequestId(f"r{n}"), "t", lambda out: None)
+        assert core._routed[RequestId(f"r{n}")].decode == b"D1"
+    small = SamplingParams(max_tokens=10)
+    placed = []
+    for n in range(5):
+        core.route([1] * 20, small, RequestId(f"s{n}"), "t", lambda out: None)
+        placed.append(core._routed[RequestId(f"s{n}")].decode)
+    # D1 has 78 of its 96 pages committed to the big ones: the small ones (2 pages) go to D2 (8 pages) until
+    # D2 is the fuller of the two
+    assert placed == [b"D2", b"D2", b"D2", b"D2", b"D1"]
+    core.drain(b"D1")
+    with pytest.raises(PoolCapacityExceeded):
+        core.admit(100, params)  # the one pool that held it is draining
 
 
 def test_the_router_takes_output_only_from_the_workers_it_placed_the_request_on():
@@ -66,3 +91,54 @@ def test_the_router_takes_output_only_from_the_workers_it_placed_the_request_on(
     forged = RequestOutput(RequestId("r"), (7,), "forged", True, "stop", None, 3, 1, "forged", (7,))
     core.on_message(stranger, control.Output(forged))
     assert seen == [] and core.refused["not_placed_here"] == 1
+
+
+@pytest.mark.parametrize("policy", ["load", "round-robin"])
+def test_placement_by_load_spreads_a_skewed_workload_where_round_robin_piles_it_up(policy):
+    """Long and short prompts alternating over two prefill and two decode workers: round-robin sends every
+    long one to the same pair, placement by load spreads them (asserted on the router's decisions)."""
+    from kvfence.engine.request import SamplingParams
+    from kvfence.ids import RequestId
+
+    core = RouterCore(placement=policy)
+    core._send = lambda identity, message: None  # type: ignore[method-assign]
+    for identity, role in ((b"P0", "prefill"), (b"P1", "prefill"), (b"D0", "decode"), (b"D1", "decode")):
+        register(core, identity, role, fingerprint(context_length=2048, pool_pages=256))
+    for n in range(8):
+        length = 1500 if n % 2 == 0 else 20
+        core.route([1] * length, SamplingParams(max_tokens=16), RequestId(f"r{n}"), "t", lambda out: None)
+    longs = [core.decisions[n] for n in range(0, 8, 2)]
+    prefills = sorted(p.decode() for _, p, _ in longs)
+    decodes = sorted(d.decode() for _, _, d in longs)
+    if policy == "round-robin":
+        assert len(set(prefills)) == 1 and len(set(decodes)) == 1  # all four long prompts on one pair
+    else:
+        assert prefills == ["P0", "P0", "P1", "P1"] and decodes == ["D0", "D0", "D1", "D1"]
+    committed = {w.identity.decode(): w.committed_pages for w in core.workers.values()}
+    assert sum(v for k, v in committed.items() if k.startswith("P")) == sum(
+        -(-(n + 1) // 16) for n in (1500, 20) * 4
+    )
+
+
+def test_a_drained_worker_takes_no_new_requests_and_leaves_when_its_last_one_ends():
+    from kvfence.engine.output import RequestOutput
+    from kvfence.engine.request import SamplingParams
+    from kvfence.ids import RequestId
+
+    core, sent = core_with_outbox()
+    for identity, role in ((b"P", "prefill"), (b"D0", "decode"), (b"D1", "decode")):
+        register(core, identity, role, fingerprint())
+    seen: list[RequestOutput] = []
+    core.route([1, 2, 3], SamplingParams(max_tokens=3), RequestId("r"), "t", seen.append)
+    busy = core._routed[RequestId("r")].decode
+    idle = ({b"D0", b"D1"} - {busy}).pop()
+    assert core.drain(busy) and busy in core.workers  # still serving "r"
+    for n in range(4):
+        core.route([1, 2, 3], SamplingParams(max_tokens=3), RequestId(f"n{n}"), "t", seen.append)
+        assert core._routed[RequestId(f"n{n}")].decode == idle
+    sent.clear()
+    done = RequestOutput(RequestId("r"), (7,), "x", True, "length", None, 3, 1, "x", (7,))
+    core.on_message(busy, control.Output(done))
+    assert seen[-1].finished and seen[-1].error_code is None  # its request finished normally
+    assert busy not in core.workers and (busy, "shutdown") in sent
+    assert core.workers[idle].placed == 4

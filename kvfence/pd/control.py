@@ -124,6 +124,8 @@ class Heartbeat(ControlMessage):
     pool: dict[str, Any] | None = None  # the pool's page counts (PoolStats)
     integrity_failures: int | None = None
     refused: dict[str, int] | None = None  # what the worker refused (I10), by reason
+    num_waiting: int | None = None  # requests in the worker's own queue (placement by load)
+    num_running: int | None = None
 
 
 @_message

@@ -15,6 +15,7 @@ counted by reason (`refused`), and changes nothing.
 
 from __future__ import annotations
 
+import collections
 import itertools
 import logging
 import os
@@ -37,6 +38,9 @@ log = logging.getLogger("kvfence.pd.router")
 OnOutput = Callable[[RequestOutput], None]
 
 
+PLACEMENTS = ("load", "round-robin")
+
+
 class NoWorkers(RuntimeError):
     pass
 
@@ -54,6 +58,19 @@ class WorkerInfo:
     config: dict[str, Any] = field(default_factory=dict)  # the worker's public configuration tree (register)
     principal: str = ""  # who the transport authenticated (a CURVE public key, z85); "" without keys
     name: str = ""  # the principal's name in the keys directory (operators' logs and metrics)
+    draining: bool = False  # no new placements; told to shut down once its last request ends
+    placed: int = 0  # requests placed here and not yet done (on a prefill: until its first token)
+    committed_pages: int = 0  # the pages those requests need here at most (placement by load)
+    num_waiting: int | None = None  # the worker's own queue, from its latest heartbeat
+
+    @property
+    def pool_pages(self) -> int:
+        return int(self.fingerprint["pool_pages"])
+
+    def load(self) -> float:
+        """How full this worker is, as placement sees it: the pages the router committed to it over its pool,
+        plus its own waiting queue (a worker the router has not heard from lately can be busier than it knows)."""
+        return self.committed_pages / max(1, self.pool_pages) + (self.num_waiting or 0) / 64
 
 
 @dataclass
@@ -62,6 +79,8 @@ class _Routed:
     prefill: bytes
     decode: bytes
     on_output: OnOutput
+    prefill_pages: int = 0  # committed on the prefill worker until its first token (or the end)
+    decode_pages: int = 0  # committed on the decode worker until the end
     done: bool = False
     # output tokens and text the client has been given (the first token may come from the prefill worker)
     sent_tokens: int = 0
@@ -96,7 +115,11 @@ class RouterCore:
         clock: Callable[[], float] = time.monotonic,
         tid_prefix: int | None = None,
         roles: Mapping[str, tuple[str, str]] | None = None,
+        placement: str = "load",
     ) -> None:
+        if placement not in PLACEMENTS:
+            raise ValueError(f"placement must be one of {PLACEMENTS}, got {placement!r}")
+        self.placement_policy = placement
         # principal -> (role, name) it may register as; None: a cluster without keys (--insecure-cluster)
         self.roles = roles
         self.refused: Counter[str] = Counter()  # messages dropped by the I10 binding, by reason
@@ -106,6 +129,7 @@ class RouterCore:
         self.workers: dict[bytes, WorkerInfo] = {}
         self._routed: dict[RequestId, _Routed] = {}
         self._rr = itertools.count()
+        self.decisions: collections.deque[tuple[RequestId, bytes, bytes]] = collections.deque(maxlen=4096)
         # transfer ids: a 24-bit random prefix per router, then a counter (increasing: receivers rely on it)
         prefix = int.from_bytes(os.urandom(3), "little") if tid_prefix is None else tid_prefix
         self._tids = itertools.count((prefix << 40) + 1)
@@ -130,19 +154,27 @@ class RouterCore:
     # ---- admission and placement --------------------------------------------------------------------
 
     def limits(self) -> tuple[Limits, Limits]:
-        """(prefill, decode) limits: the smallest context and pool any worker of each role has (I6)."""
-        fps = {
-            role: [w.fingerprint for w in list(self.workers.values()) if w.role == role]
-            for role in ("prefill", "decode")
-        }
-        if not fps["prefill"] or not fps["decode"]:
+        """(prefill, decode) limits: the smallest context any worker holds (I6), and the largest pool of each
+        role. A request passes admission if some worker of each role can hold it; placement then takes only
+        such workers (`_pick`): I5 per worker, not the smallest pool for everyone."""
+        workers = [w for w in list(self.workers.values()) if not w.draining]
+        by_role = {role: [w for w in workers if w.role == role] for role in ("prefill", "decode")}
+        if not by_role["prefill"] or not by_role["decode"]:
             raise NoWorkers("no prefill or no decode worker registered")
-        ctx = min(fp["context_length"] for fp in fps["prefill"] + fps["decode"])
-        page = fps["decode"][0]["page_size"]
+        ctx = min(int(w.fingerprint["context_length"]) for w in workers)
+        page = int(by_role["decode"][0].fingerprint["page_size"])
         return (
-            Limits(ctx, min(fp["pool_pages"] for fp in fps["prefill"]), page),
-            Limits(ctx, min(fp["pool_pages"] for fp in fps["decode"]), page),
+            Limits(ctx, max(w.pool_pages for w in by_role["prefill"]), page),
+            Limits(ctx, max(w.pool_pages for w in by_role["decode"]), page),
         )
+
+    def ready(self) -> bool:
+        """Whether a prefill/decode pair can take a request now (readiness: GET /health)."""
+        try:
+            self.limits()
+        except NoWorkers:
+            return False
+        return True
 
     def admit(self, num_prompt_tokens: int, params: SamplingParams) -> None:
         """I5 against every stage, before anything is sent; raises AdmissionError or NoWorkers."""
@@ -159,23 +191,90 @@ class RouterCore:
         p, d = workers.get(routed.prefill), workers.get(routed.decode)
         return (p, d) if p is not None and d is not None else None
 
+    def _pick(self, role: str, pages: int, turn: int) -> WorkerInfo | None:
+        """The worker of `role` this request goes to: never one draining or whose own pool cannot hold `pages`
+        (I5 per worker). By load (the default): the least loaded, ties broken in turn; round-robin: in turn."""
+        fits = [
+            w for w in self.workers.values() if w.role == role and not w.draining and w.pool_pages >= pages
+        ]
+        if not fits:
+            return None
+        if self.placement_policy == "round-robin":
+            return fits[turn % len(fits)]
+        return min(fits, key=lambda w: (w.load(), w.placed, (fits.index(w) - turn) % len(fits)))
+
     def route(
         self, ids: list[int], params: SamplingParams, rid: RequestId, tenant: str, cb: OnOutput
     ) -> None:
-        prefills = [w for w in self.workers.values() if w.role == "prefill"]
-        decodes = [w for w in self.workers.values() if w.role == "decode"]
-        if not prefills or not decodes:
+        page_size = next(iter(self.workers.values())).fingerprint["page_size"] if self.workers else 1
+        prefill_pages = -(-(len(ids) + 1) // page_size)
+        decode_pages = -(-(len(ids) + params.max_tokens) // page_size)
+        turn = next(self._rr)
+        p = self._pick("prefill", prefill_pages, turn)
+        d = self._pick("decode", decode_pages, turn)
+        if p is None or d is None:  # the workers that could hold it left between admission and now
             cb(RequestOutput(rid, (), "", True, "error", "worker_unavailable", len(ids), 0, "", ()))
             return
-        n = next(self._rr)
-        p, d = prefills[n % len(prefills)], decodes[n % len(decodes)]
-        self._routed[rid] = _Routed(len(ids), p.identity, d.identity, cb)
+        self._routed[rid] = _Routed(len(ids), p.identity, d.identity, cb, prefill_pages, decode_pages)
+        p.placed, p.committed_pages = p.placed + 1, p.committed_pages + prefill_pages
+        d.placed, d.committed_pages = d.placed + 1, d.committed_pages + decode_pages
+        self.decisions.append((rid, p.identity, d.identity))
         tid = self._last_tid if self._last_tid and self.faults.fire("reuse_transfer_id") else next(self._tids)
         self._last_tid = tid
         prompt, body = tuple(ids), control.params_to_json(params)
         expect = control.Expect(rid, TransferId(tid), prompt, body, p.data_addr, tenant, p.principal)
         self._send(d.identity, expect)
         self._send(p.identity, control.Prefill(rid, TransferId(tid), prompt, body, tenant, d.principal))
+
+    def _release(self, routed: _Routed, prefill: bool = True, decode: bool = True) -> None:
+        """Placement's bookkeeping: the request no longer loads its prefill worker (first token or end) and/or
+        its decode worker (end). A draining worker whose last request ended is told to shut down."""
+        for identity, flag, attr in (
+            (routed.prefill, prefill, "prefill_pages"),
+            (routed.decode, decode, "decode_pages"),
+        ):
+            pages = getattr(routed, attr)
+            if not flag or pages == 0:
+                continue
+            setattr(routed, attr, 0)
+            w = self.workers.get(identity)
+            if w is not None:
+                w.placed, w.committed_pages = w.placed - 1, w.committed_pages - pages
+                if w.draining and w.placed == 0:
+                    self._retire(w)
+
+    # ---- draining ----------------------------------------------------------------------------------------
+
+    def drain(self, identity: bytes) -> bool:
+        """Stop placing requests on a worker; once its in-flight requests end it is told to shut down and leaves
+        the registry (scale-in). False if no such worker."""
+        w = self.workers.get(identity)
+        if w is None:
+            return False
+        if not w.draining:
+            log.warning("%s worker %r draining: %d request(s) in flight", w.role, w.name or w.pid, w.placed)
+            w.draining = True
+            self._workers_changed()
+        if w.placed == 0:
+            self._retire(w)
+        return True
+
+    def _retire(self, w: WorkerInfo) -> None:
+        log.warning("%s worker %r drained; shutting it down", w.role, w.name or w.pid)
+        self._send(w.identity, control.Shutdown())
+        del self.workers[w.identity]
+        self._workers_changed()
+
+    def forget(self, pid: int | None = None, name: str | None = None) -> None:
+        """A launcher saw a worker's process (or actor) die: drop it now rather than after its heartbeats stop;
+        its requests fail with `worker_unavailable`."""
+        for w in [
+            w
+            for w in self.workers.values()
+            if (pid is not None and w.pid == pid) or (name and w.name == name)
+        ]:
+            log.error("%s worker %r (pid %s) exited; failing its requests", w.role, w.name, w.pid)
+            self._drop_worker(w)
 
     def cancel(self, rid: RequestId) -> None:
         """The client went away: both sides abort the request (by request id)."""
@@ -225,6 +324,9 @@ class RouterCore:
         routed.on_output(out)
         if out.finished:
             self._routed.pop(out.request_id, None)
+            self._release(routed)
+        elif first:
+            self._release(routed, decode=False)  # the prefill is done with it
         if out.finished and out.error_code is not None:
             # decode failed it (a refused reservation, a failed transfer): the prefill may still hold pages for
             # it. By request id, never by transfer id, which a collision could share (finding 2).
@@ -246,6 +348,7 @@ class RouterCore:
             return self.refuse("heartbeat_for_another_worker", msg)
         worker.last_seen = self.clock()
         worker.pool_free = msg.pool_free
+        worker.num_waiting = msg.num_waiting
         health = {"pool": msg.pool, "integrity_failures": msg.integrity_failures, "refused": msg.refused}
         worker.health = {k: v for k, v in health.items() if v is not None}
 
@@ -339,6 +442,7 @@ class RouterCore:
         routed = self._routed.pop(rid, None)
         if routed is None or routed.done:
             return
+        self._release(routed)
         other = routed.decode if identity == routed.prefill else routed.prefill
         self._send(other, control.AbortRequest(rid))
         routed.on_output(RequestOutput(rid, (), "", True, "error", code, routed.prompt_len, 0, "", ()))

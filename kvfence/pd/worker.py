@@ -149,6 +149,8 @@ class Worker:
             pool=stats,
             integrity_failures=self.engine.stats.integrity_failures,
             refused=self.refused_counts(),
+            num_waiting=len(self.engine.scheduler.waiting),
+            num_running=len(self.engine.scheduler.running),
         )
 
     def refused_counts(self) -> dict[str, int]:
