@@ -1,5 +1,5 @@
 """`kvfence` command line: fetch-model, generate, preflight, serve, the PD router and workers (router, prefill,
-decode), `keys` (the cluster's CURVE keys), `top` (the KV page map in a terminal), probe and audit.
+decode), `keys` (the cluster's CURVE keys), `cluster` (status and scaling), `top` (the KV page map in a terminal), probe and audit.
 
 A leaf: nothing imports it. The flags of the engine, server and PD commands are generated from the
 configuration tree (kvfence/config.py, kvfence/flags.py); the commands run in kvfence/runtime.
@@ -95,9 +95,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     from kvfence.dashboard.top import add_top_command
     from kvfence.probe.cli import add_commands as add_probe_commands
+    from kvfence.runtime.cluster_cli import add_cluster_command
     from kvfence.runtime.cluster_keys import add_keys_command
 
     add_keys_command(sub)
+    add_cluster_command(sub)
     add_top_command(sub)
     add_probe_commands(sub)  # probe, audit (docs/probe.md)
     return parser

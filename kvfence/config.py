@@ -338,13 +338,43 @@ class PDOptions:
         "seconds to wait for the workers to register before giving up",
         commands=frozenset({SERVE, ROUTER}),
     )
+    prefill_workers: int = option(
+        1, "PD: prefill worker processes (or Ray actors) to start", commands=frozenset({SERVE})
+    )
+    decode_workers: int = option(
+        1, "PD: decode worker processes (or Ray actors) to start", commands=frozenset({SERVE})
+    )
+    placement: str = option(
+        "load",
+        "how the router picks a request's prefill and decode worker: load (the least loaded pool that holds "
+        "it) or round-robin (in turn, among pools that hold it)",
+        commands=frozenset({SERVE, ROUTER}),
+        choices=("load", "round-robin"),
+    )
+    max_restarts: int = option(
+        5,
+        "PD: restarts of one worker within --restart-window before it is given up on (a crash loop); 0: never "
+        "restart",
+        commands=frozenset({SERVE}),
+    )
+    restart_window: float = option(
+        300.0, "PD: seconds over which --max-restarts counts", commands=frozenset({SERVE})
+    )
+    ray: str | None = option(
+        None,
+        "PD on a Ray cluster: `auto` (the cluster `ray start` made on this host) or its address; the router "
+        "and every worker run as Ray actors placed on nodes with the kvfence_prefill / kvfence_decode "
+        "resources (docs/scale-out.md; needs kvfence[ray])",
+        commands=frozenset({SERVE}),
+        metavar="ADDRESS",
+    )
 
     def __post_init__(self) -> None:
         check(self.transfer_window >= 1, f"--transfer-window must be at least 1, got {self.transfer_window}")
         for name in ("transfer_timeout", "prefill_timeout", "registration_timeout"):
             value = getattr(self, name)
             check(value > 0, f"--{name.replace('_', '-')} must be positive, got {value}")
-        for name in ("num_prefill", "num_decode"):
+        for name in ("num_prefill", "num_decode", "prefill_workers", "decode_workers"):
             value = getattr(self, name)
             check(value >= 1, f"--{name.replace('_', '-')} must be at least 1, got {value}")
         for name in ("prefill_kv_pages", "decode_kv_pages", "max_threads"):
@@ -354,6 +384,18 @@ class PDOptions:
             not (self.insecure_cluster and self.cluster_keys),
             "--insecure-cluster and --cluster-keys contradict each other: pick one",
         )
+        check(self.max_restarts >= 0, f"--max-restarts must be at least 0, got {self.max_restarts}")
+        check(self.restart_window > 0, f"--restart-window must be positive, got {self.restart_window}")
+        if self.mode == "colocated":  # serve's PD flags do nothing colocated: refused, not ignored
+            pd_only = {
+                "--prefill-kv-pages": self.prefill_kv_pages is not None,
+                "--decode-kv-pages": self.decode_kv_pages is not None,
+                "--prefill-workers": self.prefill_workers != 1,
+                "--decode-workers": self.decode_workers != 1,
+                "--ray": self.ray is not None,
+            }
+            given = [flag for flag, set_ in pd_only.items() if set_]
+            check(not given, f"{', '.join(given)} only apply to --mode pd (this server is colocated)")
 
 
 @dataclass(frozen=True)

@@ -369,6 +369,10 @@ class LLMEngine(PDHandover):
     def vocab_size(self) -> int:
         return self.model_config.vocab_size
 
+    def unready(self) -> str | None:
+        """A local engine takes requests whenever its loop runs (AsyncEngine.healthy says that)."""
+        return None
+
     @property
     def num_waiting(self) -> int:
         return len(self.scheduler.waiting)

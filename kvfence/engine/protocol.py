@@ -48,6 +48,8 @@ class Engine(Protocol):
 
     def has_unfinished(self) -> bool: ...
 
+    def unready(self) -> str | None: ...  # why it cannot take a request now (readiness), None when it can
+
     def step(self) -> list[RequestOutput]: ...
 
     def snapshot(self) -> EngineSnapshot: ...  # engine thread, between steps

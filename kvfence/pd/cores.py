@@ -8,9 +8,10 @@ on its own `threads`. A worker that turns busy while another runs a wide step ov
 one step. Nothing here touches pages or requests: the file only sets thread counts, so a stale or torn read costs
 speed, never isolation.
 
-Slots: one byte per worker, claimed by role (prefill 0, decode 1). The file is made by `serve --mode pd`, or by
-the first of two workers started by hand with the same `--share-cores PATH`. A worker that dies without closing
-(kill -9) leaves its byte set: the other then keeps to its own share until the file is made anew.
+Slots: one byte per worker, claimed by role and number (prefill-i 2i, decode-i 2i + 1). The file is made by
+`serve --mode pd`, or by the first of the workers started by hand with the same `--share-cores PATH`. A worker
+that dies without closing (kill -9) leaves its byte set: the others keep to their own share until its
+replacement (the same slot) clears it.
 """
 
 from __future__ import annotations
@@ -30,10 +31,12 @@ def create(path: Path) -> Path:
 
 
 class CoreShare:
-    def __init__(self, path: Path, role: str, threads: int, max_threads: int) -> None:
+    def __init__(self, path: Path, role: str, threads: int, max_threads: int, index: int = 0) -> None:
+        """`index`: the worker's number within its role (prefill-1 is 1), so several workers of a role on one
+        host publish apart; past SLOTS / 2 of a role they share a byte (costing speed, never isolation)."""
         if not 1 <= threads <= max_threads:
             raise ValueError(f"threads {threads} must be in 1..max_threads ({max_threads})")
-        self.slot = ROLE_SLOTS[role]
+        self.slot = (ROLE_SLOTS[role] + 2 * index) % SLOTS
         self.threads = threads
         self.max_threads = max_threads
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)  # by hand, the first worker makes it

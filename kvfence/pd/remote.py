@@ -2,8 +2,9 @@
 
 Boundary: adapts `Router` (ZeroMQ, workers) to the handful of `LLMEngine` members that `AsyncEngine` and the
 HTTP layer uses (the `Engine` protocol, kvfence/engine/protocol.py), so the router's
-HTTP front is the colocated server unchanged: same API, same errors, same admission code path (I5), whose limits
-here are the smallest any prefill or decode worker can hold (I6). `step()` waits briefly for outputs from the
+HTTP front is the colocated server unchanged: same API, same errors, same admission code path (I5), against
+the smallest context any worker holds (I6) and the largest pool a pair offers; the router then places each
+request only on workers whose pools hold it. `step()` waits briefly for outputs from the
 decode workers instead of computing anything.
 """
 
@@ -43,9 +44,7 @@ class RemoteEngine:
         self.router = router
         self.tokenizer = tokenizer
         prefill, decode = router.limits()
-        # One Limits for the HTTP layer's defaults: the smallest pool of any stage (the router's own admission
-        # still checks prefill and decode separately).
-        self.limits = Limits(
+        self._limits = Limits(
             prefill.context_length, min(prefill.pool_pages, decode.pool_pages), decode.page_size
         )
         self.context_length = prefill.context_length
@@ -95,6 +94,24 @@ class RemoteEngine:
             pages_checked=0,
             outcomes=dict(self.stats.outcomes),
         )
+
+    def unready(self) -> str | None:
+        """None while some prefill/decode pair can serve; else why not (GET /health answers 503 with it)."""
+        return None if self.router.ready() else "no prefill/decode worker pair is registered"
+
+    @property
+    def limits(self) -> Limits:
+        """One Limits for the HTTP layer's defaults and first check: the smallest context, and the largest pool
+        any prefill/decode pair offers now (the router's own admission checks each role, and placement each
+        worker). The last known value while no pair is registered (requests then get 503)."""
+        try:
+            prefill, decode = self.router.limits()
+        except NoWorkers:
+            return self._limits
+        self._limits = Limits(
+            prefill.context_length, min(prefill.pool_pages, decode.pool_pages), decode.page_size
+        )
+        return self._limits
 
     def has_unfinished(self) -> bool:
         with self._lock:

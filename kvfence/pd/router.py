@@ -50,10 +50,12 @@ class Router(RouterCore):
         dead_after_s: float = 5.0,
         faults: Faults | None = None,
         cluster_keys: keys.RouterKeys | None = None,
+        placement: str = "load",
     ) -> None:
         """`cluster_keys`: CURVE on the control plane, workers admitted by the keys directory's allowlists
         (I10); None only for a cluster run with --insecure-cluster (and tests of the protocol itself)."""
-        super().__init__(dead_after_s, faults, roles=cluster_keys.allowed() if cluster_keys else None)
+        roles = cluster_keys.allowed() if cluster_keys else None
+        super().__init__(dead_after_s, faults, roles=roles, placement=placement)
         # with keys, a context of its own: ZAP (who may connect) is per context, and this router owns it
         self._own_ctx = ctx is None and cluster_keys is not None
         self.ctx = ctx or (zmq.Context() if self._own_ctx else zmq.Context.instance())
@@ -155,6 +157,38 @@ class Router(RouterCore):
             late = [f"{name} did not answer within {timeout:g} s" for i, name in poll.waiting.items()
                     if i not in poll.answers]  # fmt: skip
         return answers, late
+
+    def worker_exited(self, pid: int | None, name: str) -> None:
+        """A launcher saw a worker die (`RouterCore.forget`): its requests fail now, not after its heartbeats."""
+        self._post(lambda: self.forget(pid=pid, name=name if self.keys is not None else None))
+
+    def drain_worker(self, pid: int | None, name: str) -> None:
+        """Scale-in: no new placements on that worker; it is told to shut down once its requests end."""
+
+        def drain() -> None:
+            for w in list(self.workers.values()):
+                if (self.keys is not None and w.name == name) or (self.keys is None and w.pid == pid):
+                    self.drain(w.identity)
+
+        self._post(drain)
+
+    def cluster_status(self) -> list[dict[str, Any]]:
+        """The registered workers as placement sees them (any thread): `kvfence cluster status`."""
+        return [
+            {
+                "role": w.role,
+                "name": w.name,
+                "pid": w.pid,
+                "data_addr": w.data_addr,
+                "state": "draining" if w.draining else "ready",
+                "pool_pages": w.pool_pages,
+                "pool_free": w.pool_free,
+                "in_flight": w.placed,
+                "committed_pages": w.committed_pages,
+                "waiting": w.num_waiting,
+            }
+            for w in list(self.workers.values())
+        ]
 
     def reload_keys(self) -> None:
         """Re-read the keys directory now (SIGHUP); the I/O thread also does every RELOAD_S."""

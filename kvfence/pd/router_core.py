@@ -267,12 +267,9 @@ class RouterCore:
 
     def forget(self, pid: int | None = None, name: str | None = None) -> None:
         """A launcher saw a worker's process (or actor) die: drop it now rather than after its heartbeats stop;
-        its requests fail with `worker_unavailable`."""
-        for w in [
-            w
-            for w in self.workers.values()
-            if (pid is not None and w.pid == pid) or (name and w.name == name)
-        ]:
+        its requests fail with `worker_unavailable`. By pid and, with keys, name: a replacement that registered
+        meanwhile (a new pid) is not touched."""
+        for w in [w for w in self.workers.values() if w.pid == pid and (not name or w.name == name)]:
             log.error("%s worker %r (pid %s) exited; failing its requests", w.role, w.name, w.pid)
             self._drop_worker(w)
 

@@ -7,13 +7,16 @@ import ipaddress
 import logging
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvfence.config import Config
 from kvfence.dashboard.routes import KvSource
 from kvfence.engine.preflight import PreflightReport
 from kvfence.engine.protocol import Engine
 from kvfence.server.metrics import ServerMetrics
+
+if TYPE_CHECKING:
+    from kvfence.server.serving import ClusterControl
 
 log = logging.getLogger("kvfence.server")
 
@@ -26,6 +29,7 @@ def serve_http(
     config_view: Callable[[], dict[str, Any]],
     preflight: PreflightReport | None = None,
     kv_source: KvSource | None = None,
+    cluster: ClusterControl | None = None,
 ) -> int:
     """Serve until interrupted. `config_view`: what `GET /debug/config` returns (admin key only)."""
     import uvicorn
@@ -58,6 +62,7 @@ def serve_http(
         metrics_key=server.metrics_key,
         preflight=preflight,
         config_view=config_view,
+        cluster=cluster,
     )
     app = build_app(async_engine, settings, metrics, kv_source=kv_source)
     print(how_to_call(server.host, server.port, name, with_key=keys is not None, tls=tls), flush=True)

@@ -10,22 +10,25 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import logging
 import os
+import re
 import signal
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvfence.config import Config
 from kvfence.pd import cores, keys
 from kvfence.pd.router import Router
 from kvfence.runtime.http import front_door_problem
 from kvfence.runtime.process import exit_on_sigterm, parent_death_signal, reap, usable_cpus
+from kvfence.runtime.supervisor import RestartPolicy, Supervisor
+
+if TYPE_CHECKING:
+    from kvfence.server.serving import ClusterControl
 
 log = logging.getLogger("kvfence.pd")
 PD_ANSWER_TIMEOUT_S = 2.0  # a worker busy in a long step answers late; the page map shows who did not answer
@@ -79,7 +82,7 @@ def cmd_router(config: Config, args: argparse.Namespace) -> int:
     except NoClusterKeys as exc:
         print(exc, file=sys.stderr)
         return 2
-    router = Router(bind=config.pd.bind, cluster_keys=cluster_keys)
+    router = Router(bind=config.pd.bind, cluster_keys=cluster_keys, placement=config.pd.placement)
     if cluster_keys is not None:  # revocation: `kill -HUP` re-reads the keys directory at once
         signal.signal(signal.SIGHUP, lambda *_: router.reload_keys())
     print(f"kvfence router: workers connect to {router.addr}", flush=True)
@@ -95,91 +98,172 @@ def cmd_router(config: Config, args: argparse.Namespace) -> int:
 
 
 def cmd_serve_pd(config: Config, args: argparse.Namespace) -> int:
-    """The router and its two workers on this machine. Their keys are made here, in a private temporary
-    directory, and removed at exit: no configuration, and still only these two processes can join."""
+    """The router and its workers on this machine (or, with --ray, on a Ray cluster: kvfence/runtime/ray_cluster.py),
+    supervised: a worker that dies is restarted. Keys are made here, in a private temporary directory, one pair
+    per worker, and removed at exit: no configuration, and still only these processes can join."""
     exit_on_sigterm()
     if problem := front_door_problem(config, "serve"):
         print(problem, file=sys.stderr)
         return 2
+    if config.pd.ray is not None:
+        from kvfence.runtime.ray_cluster import cmd_serve_ray
+
+        return cmd_serve_ray(config)
     if config.pd.insecure_cluster:
         keys.warn_insecure("serve --mode pd")
         directory = None
     else:
-        directory = keys.ephemeral()
+        directory = keys.ephemeral(prefill=0, decode=0)
     try:
         router_keys = keys.RouterKeys.load(directory) if directory else None
-        router = Router(bind="tcp://127.0.0.1:0", cluster_keys=router_keys)
-        with _workers(router, config, directory) as procs:
-            alive = lambda: all(p.poll() is None for p in procs)  # noqa: E731
-            if not router.wait_for_workers(1, 1, config.pd.registration_timeout, alive=alive):
+        router = Router(bind="tcp://127.0.0.1:0", cluster_keys=router_keys, placement=config.pd.placement)
+        with LocalWorkers(router, config, directory) as local:
+            pd = config.pd
+            if not router.wait_for_workers(
+                pd.prefill_workers, pd.decode_workers, pd.registration_timeout, alive=local.none_given_up
+            ):
                 print(
                     "kvfence serve --mode pd: the workers did not register (see their preflight above)",
                     file=sys.stderr,
                 )
                 return 1
-            return serve_router(router, config)
+            return serve_router(router, config, local.control())
     finally:
         if directory is not None:
             keys.remove(directory)
 
 
+def worker_config(
+    config: Config,
+    role: str,
+    router_addr: str,
+    threads: int,
+    cores_file: str | None = None,
+    keys_dir: Path | None = None,
+    name: str | None = None,
+) -> Config:
+    """One worker's tree: the server's, with its role's pool, `threads` threads (and all of this host's when
+    alone, with a core share), and its key `name` in `keys_dir` (None: --insecure-cluster). A role's own size
+    wins over --kv-pages, which wins over --kv-cache-memory."""
+    pages = config.pd.prefill_kv_pages if role == "prefill" else config.pd.decode_kv_pages
+    size = pages or config.cache.kv_pages
+    total = config.engine.threads or usable_cpus()
+    return config.replace(
+        router=router_addr,
+        threads=threads,
+        kv_pages=size,
+        kv_cache_memory=None if size else config.cache.kv_cache_memory,
+        cores_file=cores_file,
+        max_threads=total if cores_file else None,
+        admin_key=None,
+        metrics_key=None,
+        api_keys=None,
+        cluster_keys=str(keys_dir) if keys_dir else None,
+        cluster_key=name if keys_dir else None,
+    )
+
+
 def worker_configs(
     config: Config, router_addr: str, cores_file: str | None, keys_dir: Path | None = None
 ) -> dict[str, Config]:
-    """Each worker's tree: the server's, with its role's pool, half the threads, this host's core share, and
-    its key in `keys_dir` (None: --insecure-cluster). A role's own size wins over --kv-pages, which wins over
-    --kv-cache-memory."""
-    total = config.engine.threads or usable_cpus()
-    trees = {}
-    for role, pages in (("prefill", config.pd.prefill_kv_pages), ("decode", config.pd.decode_kv_pages)):
-        size = pages or config.cache.kv_pages
-        trees[role] = config.replace(
-            router=router_addr,
-            threads=max(1, total // 2),  # two workers share this machine's cores
-            kv_pages=size,
-            kv_cache_memory=None if size else config.cache.kv_cache_memory,
-            cores_file=cores_file,
-            max_threads=total if cores_file else None,
-            admin_key=None,
-            metrics_key=None,
-            api_keys=None,
-            cluster_keys=str(keys_dir) if keys_dir else None,
-            cluster_key=f"{role}-0" if keys_dir else None,
-        )
-    return trees
+    """The default layout's two trees (one prefill, one decode worker, half the threads each)."""
+    threads = max(1, (config.engine.threads or usable_cpus()) // 2)
+    return {
+        role: worker_config(config, role, router_addr, threads, cores_file, keys_dir, f"{role}-0")
+        for role in ("prefill", "decode")
+    }
 
 
-@contextlib.contextmanager
-def _workers(
-    router: Router, config: Config, keys_dir: Path | None
-) -> Iterator[list[subprocess.Popen[bytes]]]:
-    share = None
-    if config.pd.share_cores:
-        fd, name = tempfile.mkstemp(
-            prefix="kvfence-cores-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None
-        )
-        os.close(fd)
-        share = cores.create(Path(name))
-    die_with_parent = parent_death_signal()
-    procs = []
-    trees = worker_configs(config, router.addr, str(share) if share else None, keys_dir)
-    for role, tree in trees.items():
+class ProcessHandle:
+    """A worker process of `serve --mode pd` (a `supervisor.Handle`)."""
+
+    def __init__(self, proc: subprocess.Popen[bytes]) -> None:
+        self.proc = proc
+        self.pid: int | None = proc.pid
+
+    def exited(self) -> int | None:
+        return self.proc.poll()
+
+    def stop(self) -> None:
+        reap([self.proc], terminate=self.proc.poll() is None, grace_s=10.0)
+
+
+class LocalWorkers:
+    """`serve --mode pd`'s workers: processes on this machine, each with its own key, supervised
+    (kvfence/runtime/supervisor.py) and scaled at run time."""
+
+    def __init__(self, router: Router, config: Config, keys_dir: Path | None) -> None:
+        self.router, self.config, self.keys_dir = router, config, keys_dir
+        self.share: Path | None = None
+        if config.pd.share_cores:
+            fd, name = tempfile.mkstemp(
+                prefix="kvfence-cores-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None
+            )
+            os.close(fd)
+            self.share = cores.create(Path(name))
+        self._die_with_parent = parent_death_signal()
+        self._next = {"prefill": 0, "decode": 0}
+        policy = RestartPolicy(config.pd.max_restarts, config.pd.restart_window)
+        self.supervisor = Supervisor(router, self._launch, policy, names=self._name, retire=self._retire)
+
+    def __enter__(self) -> LocalWorkers:
+        for role, count in (
+            ("prefill", self.config.pd.prefill_workers),
+            ("decode", self.config.pd.decode_workers),
+        ):
+            for _ in range(count):
+                self.supervisor.add(role)
+        self.supervisor.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.router.shutdown()  # tells the workers to exit
+        self.supervisor.stop()
+        if self.share is not None:
+            self.share.unlink(missing_ok=True)
+
+    def none_given_up(self) -> bool:
+        return all(s["state"] != "given_up" for s in self.supervisor.status())
+
+    def control(self) -> ClusterControl:
+        from kvfence.server.serving import ClusterControl
+
+        def status() -> dict[str, Any]:
+            return {"workers": self.router.cluster_status(), "supervised": self.supervisor.status()}
+
+        return ClusterControl(status, self.supervisor.scale)
+
+    def _name(self, role: str) -> str:
+        """The next worker's name, and its key pair (the router reads the allowlist again at once)."""
+        name = f"{role}-{self._next[role]}"
+        self._next[role] += 1
+        if self.keys_dir is not None:
+            keys.add(self.keys_dir, role, name)
+            self.router.reload_keys()
+        return name
+
+    def _retire(self, role: str, name: str) -> None:
+        """A drained worker left: its key leaves the allowlist, so nothing can come back as it."""
+        if self.keys_dir is not None:
+            for suffix in (".key", ".key_secret"):
+                (self.keys_dir / role / f"{name}{suffix}").unlink(missing_ok=True)
+            self.router.reload_keys()
+
+    def _launch(self, role: str, name: str) -> ProcessHandle:
+        workers = self.config.pd.prefill_workers + self.config.pd.decode_workers
+        threads = max(1, (self.config.engine.threads or usable_cpus()) // workers)
+        share = str(self.share) if self.share else None
+        tree = worker_config(self.config, role, self.router.addr, threads, share, self.keys_dir, name)
         cmd = [sys.executable, "-m", "kvfence", role, "--config", "-"]
-        proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, preexec_fn=die_with_parent)
+        proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, preexec_fn=self._die_with_parent)
         assert proc.stdin is not None
         proc.stdin.write(tree.to_json().encode())
         proc.stdin.close()
-        procs.append(proc)
-    try:
-        yield procs
-    finally:
-        router.shutdown()  # tells the workers to exit
-        reap(procs)
-        if share is not None:
-            share.unlink(missing_ok=True)
+        log.info("started %s worker %s (pid %d)", role, name, proc.pid)
+        return ProcessHandle(proc)
 
 
-def serve_router(router: Router, config: Config) -> int:
+def serve_router(router: Router, config: Config, cluster: ClusterControl | None = None) -> int:
     from kvfence.dashboard.routes import envelope
     from kvfence.model.loader import load_tokenizer
     from kvfence.pd.remote import RemoteEngine, WorkersCollector
@@ -200,7 +284,11 @@ def serve_router(router: Router, config: Config) -> int:
     def config_view() -> dict[str, Any]:
         return {"mode": "pd", "config": config.to_dict(public=True), "workers": router.worker_configs()}
 
-    return serve_http(remote, config, metrics, config_view=config_view, kv_source=kv_source)
+    if cluster is None:  # `kvfence router`: workers started by hand join and leave on their own
+        from kvfence.server.serving import ClusterControl
+
+        cluster = ClusterControl(lambda: {"workers": router.cluster_status(), "supervised": None})
+    return serve_http(remote, config, metrics, config_view=config_view, kv_source=kv_source, cluster=cluster)
 
 
 def cmd_worker(config: Config, args: argparse.Namespace) -> int:
@@ -224,7 +312,10 @@ def cmd_worker(config: Config, args: argparse.Namespace) -> int:
     share = None
     if pd.cores_file:  # before the model loads: a bad thread count fails at once
         threads = config.engine.threads or 1
-        share = CoreShare(Path(pd.cores_file), role, threads, pd.max_threads or threads)
+        index = re.search(r"(\d+)$", pd.cluster_key or "")  # prefill-1: its own byte in the share file
+        share = CoreShare(
+            Path(pd.cores_file), role, threads, pd.max_threads or threads, int(index.group(1)) if index else 0
+        )
     report, loaded = run_preflight(config)  # I6: a worker whose pool cannot hold its context refuses
     if not report.can_start:
         return 1

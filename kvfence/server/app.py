@@ -15,13 +15,14 @@ kvfence/config.py), both the admin key only. GET /dashboard, the page map's page
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any, TypeVar
 
 from fastapi import FastAPI
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 
@@ -31,7 +32,7 @@ from kvfence.server.auth import Authenticator, Operators
 from kvfence.server.errors import OpenAIError, install_handlers, invalid
 from kvfence.server.metrics import CONTENT_TYPE, ServerMetrics
 from kvfence.server.protocol import ChatCompletionRequest, CompletionRequest, capacity, parse_body
-from kvfence.server.serving import ServerSettings, Serving
+from kvfence.server.serving import ClusterControl, ServerSettings, Serving
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -120,10 +121,22 @@ def _info_routes(
         return {"object": "usage", "tenant": tenant, **metrics.usage_of(tenant, cache)}
 
     @app.get("/health")
-    async def health() -> Response:
-        if engine.healthy:
+    @app.get("/health/ready")
+    async def ready() -> Response:
+        """Readiness: 200 while a request could be served now; 503 with the reason (PD: no prefill/decode pair
+        registered, e.g. while a dead worker restarts), so a load balancer sends traffic elsewhere."""
+        reason = engine.unready()
+        if reason is None:
             return JSONResponse({"status": "ok"})
-        return JSONResponse({"status": "unavailable"}, status_code=503)
+        headers = {"Retry-After": str(settings.retry_after_s)}
+        return JSONResponse({"status": "unavailable", "reason": reason}, status_code=503, headers=headers)
+
+    @app.get("/health/live")
+    async def live() -> Response:
+        """Liveness: 200 while the engine loop runs, even with no worker to serve (restart only a dead loop)."""
+        if engine.healthy:
+            return JSONResponse({"status": "alive"})
+        return JSONResponse({"status": "dead"}, status_code=503)
 
 
 def _operator_routes(
@@ -138,6 +151,27 @@ def _operator_routes(
         snapshot = await engine.run_between_steps(engine.snapshot) if engine.healthy else None
         return Response(metrics.render(snapshot), media_type=CONTENT_TYPE)
 
+    @app.get("/cluster/status")
+    async def cluster_status(request: Request) -> dict[str, Any]:
+        """PD: the workers as placement sees them, and what the launcher supervises (`kvfence cluster status`)."""
+        operators.check_cluster(request.headers.get("authorization"), "/cluster/status")
+        return {"object": "cluster", "ready": engine.unready() is None, **_cluster(settings).status()}
+
+    @app.post("/cluster/scale")
+    async def cluster_scale(request: Request) -> dict[str, Any]:
+        """PD: add workers, or drain the newest, to N prefill and M decode (`kvfence cluster scale`)."""
+        operators.check_cluster(request.headers.get("authorization"), "/cluster/scale")
+        cluster = _cluster(settings)
+        body = parse_body(await read_body(request, settings.max_body_bytes), ScaleRequest)
+        if cluster.scale is None:
+            message = "this router does not launch its workers (`kvfence router`): start or stop them by hand"
+            raise OpenAIError(409, message, code="not_supported")
+        try:
+            changed = await asyncio.to_thread(cluster.scale, body.prefill_workers, body.decode_workers)
+        except ValueError as exc:
+            raise invalid("prefill_workers", str(exc)) from exc
+        return {"object": "cluster.scale", **changed}
+
     @app.get("/debug/config")
     async def debug_config(request: Request) -> dict[str, Any]:
         """The effective configuration (secrets left out), and in PD mode each worker's: admin key only."""
@@ -145,6 +179,20 @@ def _operator_routes(
         if settings.config_view is None:
             raise OpenAIError(404, "this server was built without a configuration view", code="not_found")
         return settings.config_view()
+
+
+class ScaleRequest(BaseModel):
+    model_config = {"extra": "forbid"}
+    prefill_workers: int = Field(ge=1, le=64)
+    decode_workers: int = Field(ge=1, le=64)
+
+
+def _cluster(settings: ServerSettings) -> ClusterControl:
+    if settings.cluster is None:
+        raise OpenAIError(
+            404, "this server is colocated: it has no cluster (kvfence serve --mode pd)", code="not_found"
+        )
+    return settings.cluster
 
 
 async def read_body(request: Request, limit: int) -> bytes:

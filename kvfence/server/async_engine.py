@@ -150,7 +150,14 @@ class AsyncEngine:
 
     @property
     def healthy(self) -> bool:
+        """Liveness: the engine loop runs (GET /health/live)."""
         return self._failure is None and not self._stopping and self._thread is not None
+
+    def unready(self) -> str | None:
+        """Readiness (GET /health): None when a request could be served now, else why not."""
+        if not self.healthy:
+            return "the engine is not running"
+        return self.engine.unready()
 
     @property
     def num_queued(self) -> int:

@@ -103,6 +103,13 @@ class Operators:
         unauthorized = _unauthorized(message, code="invalid_admin_key", realm="kvfence-admin")
         self._check(authorization, accepted, route, needs, unauthorized)
 
+    def check_cluster(self, authorization: str | None, route: str) -> None:
+        """/cluster/*: the admin key. A single-user server (no --api-keys) without one opens them to its user,
+        as it opens /metrics: whoever reaches it is the operator."""
+        if not self._admin and not self._tenants.enabled:
+            return
+        self.check_admin(authorization, route)
+
     def _check(
         self,
         authorization: str | None,

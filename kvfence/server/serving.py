@@ -57,6 +57,16 @@ class ServerSettings:
     preflight: PreflightReport | None = None  # this node's I6 verdict, shown on the page map
     # what GET /debug/config returns (admin key): the effective configuration tree, and (PD) each worker's
     config_view: Callable[[], dict[str, Any]] | None = None
+    cluster: ClusterControl | None = None  # PD: GET /cluster/status, POST /cluster/scale
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterControl:
+    """A PD deployment seen from its router's HTTP front (kvfence/runtime/pd.py): its workers and, where this
+    process launched them, scaling (None: workers started by hand join and leave on their own)."""
+
+    status: Callable[[], dict[str, Any]]
+    scale: Callable[[int, int], dict[str, Any]] | None = None
 
 
 class EngineStream(StreamingResponse):
