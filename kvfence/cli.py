@@ -1,5 +1,6 @@
 """`kvfence` command line: fetch-model, generate, preflight, serve, the PD router and workers (router, prefill,
-decode), `keys` (the cluster's CURVE keys), `cluster` (status and scaling), `top` (the KV page map in a terminal), probe and audit.
+decode), `keys` (the cluster's CURVE keys), `cluster` (status and scaling), `top` (the KV page map in a
+terminal), probe and audit.
 
 A leaf: nothing imports it. The flags of the engine, server and PD commands are generated from the
 configuration tree (kvfence/config.py, kvfence/flags.py); the commands run in kvfence/runtime.

@@ -18,6 +18,7 @@ files, the ZAP authenticator). This module reads files, checks them and wires so
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 import stat
 import tempfile
@@ -207,6 +208,38 @@ def ephemeral(prefill: int = 1, decode: int = 1) -> Path:
     with `shutil.rmtree`)."""
     directory = Path(tempfile.mkdtemp(prefix="kvfence-keys-"))  # mode 0700
     init(directory, [f"prefill-{i}" for i in range(prefill)], [f"decode-{i}" for i in range(decode)])
+    return directory
+
+
+def bundle(directory: Path, role: str, name: str) -> dict[str, bytes]:
+    """What one worker needs of a keys directory, as {relative path: bytes}: the router's public key, its own
+    pair and (a prefill worker: whom its data socket accepts) every decode public key. For launchers that hand
+    keys to a process on another host (Ray actors); `unpack` writes it back out there."""
+    wanted = [
+        directory / "router.key",
+        directory / role / f"{name}.key",
+        directory / role / f"{name}.key_secret",
+    ]
+    if role == "prefill":
+        wanted += sorted((directory / "decode").glob("*.key"))
+    return {path.relative_to(directory).as_posix(): path.read_bytes() for path in wanted}
+
+
+def unpack(files: dict[str, bytes]) -> Path:
+    """A private temporary keys directory holding `files` (from `bundle`), secrets mode 0600; the caller
+    removes it (`remove`)."""
+    directory = Path(tempfile.mkdtemp(prefix="kvfence-keys-"))  # mode 0700
+    for relative, data in files.items():
+        path = directory / relative
+        if (
+            path.resolve().parent != (directory / Path(relative).parent).resolve()
+            or ".." in Path(relative).parts
+        ):
+            raise KeyFileError(path, "a key bundle names a path outside its directory")
+        path.parent.mkdir(mode=0o700, exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "wb") as out:
+            out.write(data)
     return directory
 
 

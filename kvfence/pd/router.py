@@ -184,6 +184,7 @@ class Router(RouterCore):
                 "pool_pages": w.pool_pages,
                 "pool_free": w.pool_free,
                 "in_flight": w.placed,
+                "placed_total": w.placed_total,
                 "committed_pages": w.committed_pages,
                 "waiting": w.num_waiting,
             }

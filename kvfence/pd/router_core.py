@@ -60,6 +60,7 @@ class WorkerInfo:
     name: str = ""  # the principal's name in the keys directory (operators' logs and metrics)
     draining: bool = False  # no new placements; told to shut down once its last request ends
     placed: int = 0  # requests placed here and not yet done (on a prefill: until its first token)
+    placed_total: int = 0  # requests ever placed here
     committed_pages: int = 0  # the pages those requests need here at most (placement by load)
     num_waiting: int | None = None  # the worker's own queue, from its latest heartbeat
 
@@ -216,8 +217,12 @@ class RouterCore:
             cb(RequestOutput(rid, (), "", True, "error", "worker_unavailable", len(ids), 0, "", ()))
             return
         self._routed[rid] = _Routed(len(ids), p.identity, d.identity, cb, prefill_pages, decode_pages)
-        p.placed, p.committed_pages = p.placed + 1, p.committed_pages + prefill_pages
-        d.placed, d.committed_pages = d.placed + 1, d.committed_pages + decode_pages
+        for w, pages in ((p, prefill_pages), (d, decode_pages)):
+            w.placed, w.placed_total, w.committed_pages = (
+                w.placed + 1,
+                w.placed_total + 1,
+                w.committed_pages + pages,
+            )
         self.decisions.append((rid, p.identity, d.identity))
         tid = self._last_tid if self._last_tid and self.faults.fire("reuse_transfer_id") else next(self._tids)
         self._last_tid = tid

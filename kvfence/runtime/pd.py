@@ -17,6 +17,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -293,6 +294,12 @@ def serve_router(router: Router, config: Config, cluster: ClusterControl | None 
 
 def cmd_worker(config: Config, args: argparse.Namespace) -> int:
     """One prefill or decode worker: preflight (I6), then register with the router and serve."""
+    return run_worker(config, args.command)
+
+
+def run_worker(config: Config, role: str, started: Callable[[Any], None] = lambda worker: None) -> int:
+    """`kvfence prefill|decode`, or a Ray worker actor's thread (kvfence/runtime/ray_cluster.py), which is
+    handed the worker by `started` before it serves (to stop it: `worker.running = False`)."""
     from kvfence import trace
     from kvfence.engine.llm_engine import LLMEngine
     from kvfence.engine.memory import return_freed_memory
@@ -300,7 +307,7 @@ def cmd_worker(config: Config, args: argparse.Namespace) -> int:
     from kvfence.pd.worker import DecodeWorker, PrefillWorker
     from kvfence.runtime.colocated import clamped, run_preflight
 
-    role, pd = args.command, config.pd
+    pd = config.pd
     if pd.router is None:
         print(f"kvfence {role}: --router is required (the router's control address)", file=sys.stderr)
         return 2
@@ -336,5 +343,6 @@ def cmd_worker(config: Config, args: argparse.Namespace) -> int:
         worker = DecodeWorker(engine, pd.router, pd, cores=share, config=public, cluster_keys=cluster_keys)
     worker.preflight = report  # shown per worker on the router's page map
     log.info("%s worker up, router %s", role, pd.router)
+    started(worker)
     worker.serve()
     return 0

@@ -67,7 +67,9 @@ class Slot:
 
     def view(self) -> dict[str, Any]:
         pid = self.handle.pid if self.handle is not None else None
+        node = getattr(self.handle, "node", None)  # Ray: the node it runs on (locally: this host)
         return {
+            "node": node,
             "role": self.role,
             "name": self.name,
             "state": self.state,
@@ -202,6 +204,7 @@ class Supervisor:
     def _exited(self, slot: Slot, handle: Handle, status: int, now: float) -> None:
         slot.last_exit = status
         self.router.worker_exited(handle.pid, slot.name)  # its requests fail now (503 worker_unavailable)
+        handle.stop()  # a process that exited: nothing; a Ray actor whose worker ended: its process goes too
         if slot.state == "draining":
             log.warning("%s worker %s drained and left", slot.role, slot.name)
             with self._lock:
