@@ -231,16 +231,16 @@ def test_serve_pd_workers_run_with_the_tree_they_were_sent_and_report_it_when_th
     with the tree it runs, and values no flag was rebuilt for arrive (a field added later arrives the same way)."""
     from kvfence.pd import keys
     from kvfence.pd.router import Router
-    from kvfence.runtime.pd import _workers
+    from kvfence.runtime.pd import LocalWorkers
 
     config = Config.of(
-        model=str(tiny_dir), dtype="float32", page_size=4, prefill_kv_pages=64, decode_kv_pages=96, threads=2,
+        model=str(tiny_dir), dtype="float32", page_size=4, mode="pd", prefill_kv_pages=64, decode_kv_pages=96, threads=2,
         kv_canary_interval=7, prefill_batch_tokens=100, transfer_window=3, share_cores=False, admin_key="adm",
     )  # fmt: skip
-    keys_dir = keys.ephemeral()
+    keys_dir = keys.ephemeral(prefill=0, decode=0)  # LocalWorkers adds one key per worker it starts
     router = Router(bind="tcp://127.0.0.1:0", cluster_keys=keys.RouterKeys.load(keys_dir))
-    with _workers(router, config, keys_dir) as procs:
-        assert router.wait_for_workers(1, 1, 120, alive=lambda: all(p.poll() is None for p in procs))
+    with LocalWorkers(router, config, keys_dir) as local:
+        assert router.wait_for_workers(1, 1, 120, alive=local.none_given_up)
         reported = {w["role"]: Config.from_json(json.dumps(w["config"])) for w in router.worker_configs()}
     keys.remove(keys_dir)
     assert set(reported) == {"prefill", "decode"}
