@@ -234,8 +234,9 @@ def test_serve_pd_workers_run_with_the_tree_they_were_sent_and_report_it_when_th
     from kvfence.runtime.pd import LocalWorkers
 
     config = Config.of(
-        model=str(tiny_dir), dtype="float32", page_size=4, mode="pd", prefill_kv_pages=64, decode_kv_pages=96, threads=2,
-        kv_canary_interval=7, prefill_batch_tokens=100, transfer_window=3, share_cores=False, admin_key="adm",
+        model=str(tiny_dir), dtype="float32", page_size=4, mode="pd", prefill_kv_pages=64, decode_kv_pages=96,
+        threads=2, kv_canary_interval=7, prefill_batch_tokens=100, transfer_window=3, share_cores=False,
+        admin_key="adm",
     )  # fmt: skip
     keys_dir = keys.ephemeral(prefill=0, decode=0)  # LocalWorkers adds one key per worker it starts
     router = Router(bind="tcp://127.0.0.1:0", cluster_keys=keys.RouterKeys.load(keys_dir))

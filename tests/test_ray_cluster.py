@@ -191,3 +191,37 @@ def test_scaling_out_adds_a_prefill_actor_and_scaling_in_drains_it(deployment):
     wait_for(lambda: [w["name"] for w in prefills()] == ["prefill-0"], "the drain")
     wait_for(lambda: all(s["name"] != "prefill-1" for s in status(d)["supervised"]), "the actor to leave")
     assert complete(d, [9, 9, 9]).usage.completion_tokens == 8
+
+
+def test_placement_by_load_spreads_long_prompts_over_the_prefill_actors(deployment):
+    """A skewed workload (long and short prompts alternating) while both prefill workers are held: the router
+    puts one long prompt on each (round-robin would put both on the same one: tests/test_invariants_router.py),
+    read from the pages it committed to each worker."""
+    d = deployment
+    ray.get(d["router"].scale.remote(2, 2))
+    prefills = lambda: sorted(  # noqa: E731
+        (w for w in status(d)["workers"] if w["role"] == "prefill"), key=lambda w: w["name"]
+    )
+    wait_for(
+        lambda: len(prefills()) == 2 and all(w["pool_free"] is not None for w in prefills()), "prefill-2"
+    )
+    pids = [w["pid"] for w in prefills()]
+    for pid in pids:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        with ThreadPoolExecutor(4) as pool:
+            held = []
+            for n, length in enumerate((200, 5, 200, 5)):  # one at a time, each placed before the next
+                held.append(pool.submit(complete, d, [7 + n] * length))
+                wait_for(lambda n=n: sum(w["in_flight"] for w in prefills()) == n + 1, "the placement")
+            committed = [w["committed_pages"] for w in prefills()]
+            for pid in pids:
+                os.kill(pid, signal.SIGCONT)
+            assert all(h.result().usage.completion_tokens == 8 for h in held)
+    finally:
+        for pid in pids:
+            os.kill(pid, signal.SIGCONT)
+    long_pages, short_pages = -(-(200 + 1) // 4), -(-(5 + 1) // 4)
+    assert committed == [long_pages + short_pages] * 2  # one long prompt on each prefill worker
+    assert ray.get(d["router"].scale.remote(1, 2))["draining"] == ["prefill-2"]
+    wait_for(lambda: len(prefills()) == 1, "the drain")
