@@ -43,6 +43,10 @@ def run_configured(args: argparse.Namespace) -> int:
 
 
 def _serve(config: tree.Config, args: argparse.Namespace) -> int:
+    if config.pd.ray is not None:
+        from kvfence.runtime.ray_cluster import cmd_serve_ray
+
+        return cmd_serve_ray(config, args)
     if config.pd.mode == "pd":
         from kvfence.runtime.pd import cmd_serve_pd
 

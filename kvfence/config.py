@@ -386,6 +386,12 @@ class PDOptions:
         )
         check(self.max_restarts >= 0, f"--max-restarts must be at least 0, got {self.max_restarts}")
         check(self.restart_window > 0, f"--restart-window must be positive, got {self.restart_window}")
+        if self.ray is not None:  # Ray workers always get keys (made by the router actor); Ray counts restarts
+            check(not self.insecure_cluster, "--ray always uses cluster keys: drop --insecure-cluster")
+            check(
+                self.restart_window == 300.0,
+                "--restart-window is for workers on this host; Ray counts --max-restarts over an actor's life",
+            )
         if self.mode == "colocated":  # serve's PD flags do nothing colocated: refused, not ignored
             pd_only = {
                 "--prefill-kv-pages": self.prefill_kv_pages is not None,
@@ -395,7 +401,8 @@ class PDOptions:
                 "--ray": self.ray is not None,
             }
             given = [flag for flag, set_ in pd_only.items() if set_]
-            check(not given, f"{', '.join(given)} only apply to --mode pd (this server is colocated)")
+            verb = "apply" if len(given) > 1 else "applies"
+            check(not given, f"{', '.join(given)} only {verb} to --mode pd (this server is colocated)")
 
 
 @dataclass(frozen=True)

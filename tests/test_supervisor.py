@@ -125,3 +125,27 @@ def test_stop_stops_every_worker():
     sup.scale(1, 2)
     sup.stop()
     assert all(w.stopped for w in started)
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--prefill-workers", "2"], "--prefill-workers only applies to --mode pd"),
+        (["--ray", "auto", "--decode-kv-pages", "8"], "--decode-kv-pages, --ray only apply to --mode pd"),
+        (["--mode", "pd", "--decode-workers", "0"], "--decode-workers must be at least 1"),
+        (["--mode", "pd", "--ray", "auto", "--insecure-cluster"], "--ray always uses cluster keys"),
+        (["--mode", "pd", "--ray", "auto", "--restart-window", "9"], "Ray counts --max-restarts"),
+        (["--mode", "pd", "--max-restarts", "-1"], "--max-restarts must be at least 0"),
+        (["--mode", "pd", "--placement", "random"], "invalid choice"),
+    ],
+)
+def test_scale_out_flags_that_would_do_nothing_or_contradict_are_refused(flags, message):
+    """Never accepted and ignored: each gets exit 2 and a line naming the flag, before anything loads."""
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-m", "kvfence", "serve", "--model", "none", *flags],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 2 and message in done.stderr, done.stderr

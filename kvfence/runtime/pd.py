@@ -99,17 +99,13 @@ def cmd_router(config: Config, args: argparse.Namespace) -> int:
 
 
 def cmd_serve_pd(config: Config, args: argparse.Namespace) -> int:
-    """The router and its workers on this machine (or, with --ray, on a Ray cluster: kvfence/runtime/ray_cluster.py),
-    supervised: a worker that dies is restarted. Keys are made here, in a private temporary directory, one pair
+    """The router and its workers on this machine, supervised: a worker that dies is restarted (with --ray, on a
+    Ray cluster instead: kvfence/runtime/ray_cluster.py). Keys are made here, in a private temporary directory, one pair
     per worker, and removed at exit: no configuration, and still only these processes can join."""
     exit_on_sigterm()
     if problem := front_door_problem(config, "serve"):
         print(problem, file=sys.stderr)
         return 2
-    if config.pd.ray is not None:
-        from kvfence.runtime.ray_cluster import cmd_serve_ray
-
-        return cmd_serve_ray(config)
     if config.pd.insecure_cluster:
         keys.warn_insecure("serve --mode pd")
         directory = None

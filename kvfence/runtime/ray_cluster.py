@@ -21,6 +21,7 @@ nothing. An actor Ray gave up on is shown as given up by `kvfence cluster status
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import logging
 import os
@@ -268,7 +269,14 @@ def start_router(config: Config, ray_module: Any) -> Any:
     )
 
 
-def cmd_serve_ray(config: Config) -> int:
+def cmd_serve_ray(config: Config, args: argparse.Namespace) -> int:
+    from kvfence.runtime.http import front_door_problem
+    from kvfence.runtime.process import exit_on_sigterm
+
+    exit_on_sigterm()
+    if problem := front_door_problem(config, "serve"):
+        print(problem, file=sys.stderr)
+        return 2
     try:
         import ray
     except ImportError:
