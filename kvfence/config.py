@@ -386,7 +386,9 @@ class PDOptions:
         )
         check(self.max_restarts >= 0, f"--max-restarts must be at least 0, got {self.max_restarts}")
         check(self.restart_window > 0, f"--restart-window must be positive, got {self.restart_window}")
-        if self.ray is not None:  # Ray workers always get keys (made by the router actor); Ray counts restarts
+        if (
+            self.ray is not None
+        ):  # Ray workers always get keys (made by the router actor); Ray counts restarts
             check(not self.insecure_cluster, "--ray always uses cluster keys: drop --insecure-cluster")
             check(
                 self.restart_window == 300.0,

@@ -142,3 +142,29 @@ def test_a_drained_worker_takes_no_new_requests_and_leaves_when_its_last_one_end
     assert seen[-1].finished and seen[-1].error_code is None  # its request finished normally
     assert busy not in core.workers and (busy, "shutdown") in sent
     assert core.workers[idle].placed == 4
+
+
+def test_a_tenant_stays_on_its_prefill_worker_until_that_worker_is_clearly_busier():
+    """Prefix affinity by tenant (the prefix cache is per tenant and per prefill worker): a tenant's requests
+    follow its last prefill worker while that one is at most AFFINITY_SLACK of a pool busier than the least
+    loaded; another tenant goes where the load says."""
+    from kvfence.engine.request import SamplingParams
+    from kvfence.ids import RequestId
+    from kvfence.pd.router_core import AFFINITY_SLACK
+
+    core, _ = core_with_outbox()
+    for identity, role in ((b"P0", "prefill"), (b"P1", "prefill"), (b"D", "decode")):
+        register(core, identity, role, fingerprint(context_length=4096, pool_pages=100))
+    small = SamplingParams(max_tokens=4)
+    for n in range(4):
+        core.route([1] * 16, small, RequestId(f"a{n}"), "alice", lambda out: None)
+    alice = {core._routed[RequestId(f"a{n}")].prefill for n in range(4)}
+    assert len(alice) == 1  # 4 small prompts, all where alice's prefix cache is
+    core.route([1] * 16, small, RequestId("b0"), "bob", lambda out: None)
+    assert core._routed[RequestId("b0")].prefill not in alice  # bob goes to the idle one
+    home = alice.pop()
+    big = int(AFFINITY_SLACK * 100 + 8) * 16  # enough pages to make alice's worker clearly the busier one
+    core.route([1] * big, small, RequestId("a-big"), "alice", lambda out: None)
+    core.route([1] * 16, small, RequestId("a-next"), "alice", lambda out: None)
+    assert core._routed[RequestId("a-big")].prefill == home
+    assert core._routed[RequestId("a-next")].prefill != home  # now the load wins over the affinity

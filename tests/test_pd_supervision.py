@@ -23,6 +23,7 @@ import httpx
 import pytest
 
 from tests.pd_cluster import pd_serve
+from tests.server_harness import SCRAPE_KEY
 
 ADMIN = "admin-key-for-tests"
 KEYS = {"key-a": "tenant-a"}
@@ -100,6 +101,9 @@ def test_kill_9_of_a_worker_fails_its_requests_turns_readiness_503_and_the_worke
         assert replacement["pid"] != victim["pid"] and replacement["name"] == victim["name"]
         slot = next(s for s in status(url)["supervised"] if s["role"] == role)
         assert slot["restarts"] == 1 and slot["last_exit"] == -signal.SIGKILL and slot["state"] == "running"
+        scraped = httpx.get(f"{url}/metrics", headers={"Authorization": f"Bearer {SCRAPE_KEY}"}).text
+        assert f'kvfence_cluster_worker_restarts_total{{name="{role}-0",role="{role}"}} 1.0' in scraped
+        assert "kvfence_cluster_ready 1.0" in scraped
 
 
 def kvfence_cluster(url: str, *args: str) -> subprocess.CompletedProcess[str]:

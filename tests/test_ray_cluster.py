@@ -194,9 +194,10 @@ def test_scaling_out_adds_a_prefill_actor_and_scaling_in_drains_it(deployment):
 
 
 def test_placement_by_load_spreads_long_prompts_over_the_prefill_actors(deployment):
-    """A skewed workload (long and short prompts alternating) while both prefill workers are held: the router
-    puts one long prompt on each (round-robin would put both on the same one: tests/test_invariants_router.py),
-    read from the pages it committed to each worker."""
+    """A skewed workload (long and short prompts alternating, one tenant) while both prefill workers are held:
+    the router puts one long prompt on each (round-robin would put both on the same one, and the tenant's prefix
+    affinity yields once a worker is clearly busier: tests/test_invariants_router.py), read from the pages it
+    committed to each worker."""
     d = deployment
     ray.get(d["router"].scale.remote(2, 2))
     prefills = lambda: sorted(  # noqa: E731
@@ -222,6 +223,7 @@ def test_placement_by_load_spreads_long_prompts_over_the_prefill_actors(deployme
         for pid in pids:
             os.kill(pid, signal.SIGCONT)
     long_pages, short_pages = -(-(200 + 1) // 4), -(-(5 + 1) // 4)
-    assert committed == [long_pages + short_pages] * 2  # one long prompt on each prefill worker
+    assert sum(committed) == 2 * (long_pages + short_pages)
+    assert min(committed) >= long_pages  # one long prompt on each prefill worker (round-robin: both on one)
     assert ray.get(d["router"].scale.remote(1, 2))["draining"] == ["prefill-2"]
     wait_for(lambda: len(prefills()) == 1, "the drain")

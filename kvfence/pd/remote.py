@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import queue
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -141,8 +141,12 @@ class WorkersCollector(Collector):
     KV pool pages by state and integrity failures, labelled by role and worker (role-pid); and the control
     messages the router dropped (malformed, unknown op, unexpected), by reason."""
 
-    def __init__(self, router: Router) -> None:
+    def __init__(
+        self, router: Router, supervised: Callable[[], list[dict[str, Any]] | None] = lambda: None
+    ) -> None:
+        """`supervised`: the launcher's worker slots (`Supervisor.status`), None for workers started by hand."""
         self.router = router
+        self.supervised = supervised
 
     def collect(self) -> Iterator[Metric]:
         workers = GaugeMetricFamily("kvfence_workers", "Registered PD workers", labels=["role"])
@@ -192,7 +196,25 @@ class WorkersCollector(Collector):
                     handshakes.add_metric(["data", f"{w.role}-{w.pid}", reason[10:]], count)
                 else:
                     worker_refused.add_metric([w.role, f"{w.role}-{w.pid}", reason], count)
-        yield from (workers, pages, total, failures, dropped, regs, handshakes, worker_refused)
+        ready = GaugeMetricFamily("kvfence_cluster_ready", "1 while a prefill/decode pair can take requests "
+                                  "(what GET /health answers)")  # fmt: skip
+        ready.add_metric([], float(self.router.ready()))
+        yield from (workers, pages, total, failures, dropped, regs, handshakes, worker_refused, ready)
+        slots = self.supervised()
+        if slots is not None:
+            restarts = CounterMetricFamily("kvfence_cluster_worker_restarts", "Restarts of each supervised worker "
+                                           "(serve --mode pd; on Ray, Ray restarts them)",
+                                           labels=["role", "name"])  # fmt: skip
+            states = GaugeMetricFamily("kvfence_cluster_supervised_workers", "Supervised workers by state "
+                                       "(given_up: a crash loop the supervisor stopped restarting)",
+                                       labels=["role", "state"])  # fmt: skip
+            counts: dict[tuple[str, str], int] = {}
+            for s in slots:
+                restarts.add_metric([s["role"], s["name"]], s["restarts"])
+                counts[(s["role"], s["state"])] = counts.get((s["role"], s["state"]), 0) + 1
+            for (role, state), n in sorted(counts.items()):
+                states.add_metric([role, state], n)
+            yield from (restarts, states)
 
     def describe(self) -> Iterator[Metric]:
         return iter(())

@@ -39,6 +39,8 @@ OnOutput = Callable[[RequestOutput], None]
 
 
 PLACEMENTS = ("load", "round-robin")
+AFFINITY_SLACK = 0.25  # a tenant stays on its prefill worker while it is at most this much (of a pool) busier
+AFFINITY_TENANTS = 4096  # tenants remembered for affinity (least recently placed forgotten first)
 
 
 class NoWorkers(RuntimeError):
@@ -130,6 +132,7 @@ class RouterCore:
         self.workers: dict[bytes, WorkerInfo] = {}
         self._routed: dict[RequestId, _Routed] = {}
         self._rr = itertools.count()
+        self._affinity: collections.OrderedDict[str, bytes] = collections.OrderedDict()  # tenant -> prefill
         self.decisions: collections.deque[tuple[RequestId, bytes, bytes]] = collections.deque(maxlen=4096)
         # transfer ids: a 24-bit random prefix per router, then a counter (increasing: receivers rely on it)
         prefix = int.from_bytes(os.urandom(3), "little") if tid_prefix is None else tid_prefix
@@ -192,9 +195,12 @@ class RouterCore:
         p, d = workers.get(routed.prefill), workers.get(routed.decode)
         return (p, d) if p is not None and d is not None else None
 
-    def _pick(self, role: str, pages: int, turn: int) -> WorkerInfo | None:
+    def _pick(self, role: str, pages: int, turn: int, tenant: str = "") -> WorkerInfo | None:
         """The worker of `role` this request goes to: never one draining or whose own pool cannot hold `pages`
-        (I5 per worker). By load (the default): the least loaded, ties broken in turn; round-robin: in turn."""
+        (I5 per worker). By load (the default): the least loaded, ties broken in turn, except that a tenant's
+        requests stay on the prefill worker that served its last one while that worker is at most
+        AFFINITY_SLACK more loaded than the least (its prefix cache is there: the cache is per tenant and per
+        worker, so affinity shares nothing across tenants); round-robin: in turn."""
         fits = [
             w for w in self.workers.values() if w.role == role and not w.draining and w.pool_pages >= pages
         ]
@@ -202,7 +208,16 @@ class RouterCore:
             return None
         if self.placement_policy == "round-robin":
             return fits[turn % len(fits)]
-        return min(fits, key=lambda w: (w.load(), w.placed, (fits.index(w) - turn) % len(fits)))
+        best = min(fits, key=lambda w: (w.load(), w.placed, (fits.index(w) - turn) % len(fits)))
+        if role == "prefill" and tenant:
+            last = self.workers.get(self._affinity.get(tenant, b""))
+            if last is not None and last in fits and last.load() <= best.load() + AFFINITY_SLACK:
+                best = last
+            self._affinity[tenant] = best.identity
+            self._affinity.move_to_end(tenant)
+            while len(self._affinity) > AFFINITY_TENANTS:
+                self._affinity.popitem(last=False)
+        return best
 
     def route(
         self, ids: list[int], params: SamplingParams, rid: RequestId, tenant: str, cb: OnOutput
@@ -211,7 +226,7 @@ class RouterCore:
         prefill_pages = -(-(len(ids) + 1) // page_size)
         decode_pages = -(-(len(ids) + params.max_tokens) // page_size)
         turn = next(self._rr)
-        p = self._pick("prefill", prefill_pages, turn)
+        p = self._pick("prefill", prefill_pages, turn, tenant)
         d = self._pick("decode", decode_pages, turn)
         if p is None or d is None:  # the workers that could hold it left between admission and now
             cb(RequestOutput(rid, (), "", True, "error", "worker_unavailable", len(ids), 0, "", ()))

@@ -272,7 +272,13 @@ def serve_router(router: Router, config: Config, cluster: ClusterControl | None 
         f"kvfence router: context length {remote.context_length} (the smallest any worker holds)", flush=True
     )
     metrics = ServerMetrics()
-    metrics.registry.register(WorkersCollector(router))  # each worker's pool, from its heartbeats
+    if cluster is None:  # `kvfence router`: workers started by hand join and leave on their own
+        from kvfence.server.serving import ClusterControl
+
+        cluster = ClusterControl(lambda: {"workers": router.cluster_status(), "supervised": None})
+    control = cluster
+    # each worker's pool from its heartbeats; readiness and the launcher's restarts
+    metrics.registry.register(WorkersCollector(router, lambda: control.status()["supervised"]))
 
     async def kv_source() -> dict[str, Any]:
         workers, errors = await asyncio.to_thread(router.debug_kv, PD_ANSWER_TIMEOUT_S)
@@ -281,10 +287,6 @@ def serve_router(router: Router, config: Config, cluster: ClusterControl | None 
     def config_view() -> dict[str, Any]:
         return {"mode": "pd", "config": config.to_dict(public=True), "workers": router.worker_configs()}
 
-    if cluster is None:  # `kvfence router`: workers started by hand join and leave on their own
-        from kvfence.server.serving import ClusterControl
-
-        cluster = ClusterControl(lambda: {"workers": router.cluster_status(), "supervised": None})
     return serve_http(remote, config, metrics, config_view=config_view, kv_source=kv_source, cluster=cluster)
 
 
