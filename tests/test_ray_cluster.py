@@ -5,12 +5,14 @@ Nodes: the head (the router; prefill resources for two workers) and two decode n
 Shown, through the official openai client: 1 prefill x 2 decode gives colocated's greedy outputs, both decode
 workers take traffic; a decode node removed mid-run fails only the requests placed on it (503) while the others
 finish and every surviving pool audits clean; a node added at run time gets the lost worker back (Ray restarts
-the actor there) and it takes traffic; scaling out adds a prefill worker, scaling in drains it and it leaves."""
+the actor there) and it takes traffic; scaled to 2 prefill x 1 decode at run time, outputs still equal
+colocated's, and drained actors leave; placement by load spreads long prompts over prefill actors."""
 
 from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import time
 from collections.abc import Callable, Iterator
@@ -180,15 +182,49 @@ def _complete_or_error(d: dict[str, Any], prompt: list[int]) -> int:
     return answer.status_code
 
 
-def test_scaling_out_adds_a_prefill_actor_and_scaling_in_drains_it(deployment):
+def test_two_prefill_one_decode_after_scaling_match_colocated_and_drained_actors_leave(
+    deployment, tiny_model
+):
+    """Scale 1P x 2D to 2P x 1D at run time (a prefill actor added, the newest decode actor drained): greedy
+    outputs equal colocated's and both prefill actors serve; then back to 1P x 2D."""
     d = deployment
-    assert ray.get(d["router"].scale.remote(2, 2)) == {"added": ["prefill-1"], "draining": []}
-    prefills = lambda: [w for w in status(d)["workers"] if w["role"] == "prefill"]  # noqa: E731
-    wait_for(lambda: len(prefills()) == 2, "the second prefill worker")
-    for n in range(4):
-        assert complete(d, [3 + n, 4, 5, 6]).usage.completion_tokens == 8
-    assert ray.get(d["router"].scale.remote(1, 2)) == {"added": [], "draining": ["prefill-1"]}
-    wait_for(lambda: [w["name"] for w in prefills()] == ["prefill-0"], "the drain")
+    by_role = lambda role: [w for w in status(d)["workers"] if w["role"] == role]  # noqa: E731
+    changed = ray.get(d["router"].scale.remote(2, 1))
+    assert changed["added"] == ["prefill-1"] and len(changed["draining"]) == 1
+    wait_for(lambda: len(by_role("prefill")) == 2 and len(by_role("decode")) == 1, "2 prefill x 1 decode")
+    wait_for(lambda: all(s["name"] not in changed["draining"] for s in status(d)["supervised"]), "the drain")
+    rng = random.Random(63)
+    jobs = {
+        f"long{n}": [rng.randrange(3, tiny_model.config.vocab_size) for _ in range(200)] for n in range(2)
+    }  # 51 of 96 pages each
+    jobs |= jobs_for(tiny_model, 4, seed=63)
+    expected = colocated_reference(tiny_model, jobs, PARAMS)
+    held = [w["pid"] for w in by_role("prefill")]
+    for pid in held:  # both long prompts placed before either finishes: one on each prefill actor
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        with ThreadPoolExecutor(6) as pool:
+            answers = {}
+            for n, (rid, ids) in enumerate(jobs.items()):
+                answers[rid] = pool.submit(complete, d, ids)
+                if n < 2:
+                    wait_for(
+                        lambda n=n: sum(w["in_flight"] for w in by_role("prefill")) == n + 1, "placement"
+                    )
+            for pid in held:
+                os.kill(pid, signal.SIGCONT)
+            got = {rid: a.result() for rid, a in answers.items()}
+    finally:
+        for pid in held:
+            os.kill(pid, signal.SIGCONT)
+    for rid, answer in got.items():
+        assert answer.choices[0].text == client_text(tiny_model, expected[rid]), rid
+    assert all(w["placed_total"] > 0 for w in by_role("prefill"))  # both prefill actors served
+    changed = ray.get(d["router"].scale.remote(1, 2))
+    assert changed == {"added": [changed["added"][0]], "draining": ["prefill-1"]}
+    wait_for(
+        lambda: len(by_role("prefill")) == 1 and len(by_role("decode")) == 2, "1 prefill x 2 decode again"
+    )
     wait_for(lambda: all(s["name"] != "prefill-1" for s in status(d)["supervised"]), "the actor to leave")
     assert complete(d, [9, 9, 9]).usage.completion_tokens == 8
 
