@@ -164,3 +164,16 @@ def test_cluster_scale_adds_a_worker_that_takes_traffic_and_drains_it_away(tiny_
         assert bad.status_code == 400
         tenant = httpx.get(f"{url}/cluster/status", headers={"Authorization": "Bearer key-a"})
         assert tenant.status_code == 403  # a tenant's key opens no operator route
+
+
+def test_a_worker_refused_by_its_preflight_is_not_restarted_and_serve_exits(tiny_dir):
+    """A pool too small for the context is a configuration error: the worker's preflight refuses it (I6), the
+    supervisor does not restart it, and `serve --mode pd` exits 1 at once instead of looping."""
+    cmd = [sys.executable, "-m", "kvfence", "serve", "--mode", "pd", "--model", str(tiny_dir), "--page-size", "4",
+           "--kv-pages", "96", "--decode-kv-pages", "8", "--dtype", "float32", "--port", "0"]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
+    assert done.returncode == 1, done.stderr[-3000:]
+    assert "before registering" in done.stderr and "the workers did not register" in done.stderr
+    assert (
+        done.stderr.count("refused: the KV pool holds") + done.stdout.count("refused: the KV pool holds") == 1
+    )

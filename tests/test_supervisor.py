@@ -27,12 +27,16 @@ class FakeWorker:
 @dataclass
 class FakeRouter:
     events: list[tuple[str, int | None, str]] = field(default_factory=list)
+    never_registers: set[int | None] = field(default_factory=set)
 
     def worker_exited(self, pid: int | None, name: str) -> None:
         self.events.append(("exited", pid, name))
 
     def drain_worker(self, pid: int | None, name: str) -> None:
         self.events.append(("drain", pid, name))
+
+    def is_registered(self, pid: int | None) -> bool:
+        return pid not in self.never_registers
 
 
 class Clock:
@@ -79,6 +83,7 @@ def test_a_dead_worker_is_reported_and_restarted_after_a_growing_delay():
 def test_a_crash_loop_is_given_up_on_after_the_bound_and_counts_only_recent_exits():
     sup, _router, clock, started = supervisor(RestartPolicy(max_restarts=2, window=60, base_delay=1.0))
     sup.add("decode")
+    sup.tick()  # running and registered
 
     def crash_and_wait() -> None:
         started[-1].status = 1
@@ -118,6 +123,20 @@ def test_scaling_out_adds_workers_and_scaling_in_drains_the_newest_then_lets_the
     assert len(started) == 5  # a drained worker is not restarted
     with pytest.raises(ValueError, match="at least one worker"):
         sup.scale(0, 1)
+
+
+def test_a_worker_that_exits_before_registering_is_a_configuration_error_and_not_restarted():
+    """Its preflight refused the pool, or its keys were bad: a restart would be refused the same way. A worker
+    killed by a signal before registering is restarted as usual."""
+    sup, router, _clock, started = supervisor(RestartPolicy(max_restarts=5))
+    router.never_registers.update({100, 101})
+    sup.add("prefill")
+    sup.add("decode")
+    sup.tick()
+    started[0].status = 1  # refused by its preflight
+    started[1].status = -9  # killed while loading
+    sup.tick()
+    assert [s["state"] for s in sup.status()] == ["given_up", "restarting"]
 
 
 def test_stop_stops_every_worker():

@@ -162,6 +162,10 @@ class Router(RouterCore):
         """A launcher saw a worker die (`RouterCore.forget`): its requests fail now, not after its heartbeats."""
         self._post(lambda: self.forget(pid=pid, name=name if self.keys is not None else None))
 
+    def is_registered(self, pid: int | None) -> bool:
+        """Whether a worker with this process id is registered (any thread)."""
+        return pid is not None and any(w.pid == pid for w in list(self.workers.values()))
+
     def drain_worker(self, pid: int | None, name: str) -> None:
         """Scale-in: no new placements on that worker; it is told to shut down once its requests end."""
 

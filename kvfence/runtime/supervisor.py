@@ -62,6 +62,7 @@ class Slot:
     state: str = "starting"  # starting, running, restarting, draining, given_up
     exits: collections.deque[float] = field(default_factory=collections.deque)  # when it exited, recently
     restarts: int = 0  # over its whole life
+    registered: bool = False  # its current process registered with the router (else it is still starting)
     next_start: float | None = None
     last_exit: int | None = None
 
@@ -85,6 +86,8 @@ class RouterHooks(Protocol):
     def worker_exited(self, pid: int | None, name: str) -> None: ...
 
     def drain_worker(self, pid: int | None, name: str) -> None: ...
+
+    def is_registered(self, pid: int | None) -> bool: ...
 
 
 class Supervisor:
@@ -194,6 +197,7 @@ class Supervisor:
                 status = handle.exited()
                 if status is None:
                     slot.state = "running" if slot.state == "starting" else slot.state
+                    slot.registered = slot.registered or self.router.is_registered(handle.pid)
                     continue
                 self._exited(slot, handle, status, now)
             if slot.state == "restarting" and slot.next_start is not None and now >= slot.next_start:
@@ -210,6 +214,14 @@ class Supervisor:
             with self._lock:
                 self.slots.remove(slot)
             self._retire(slot.role, slot.name)
+            return
+        if (
+            not slot.registered and status > 0
+        ):  # exited on its own before it ever registered: its preflight or
+            # its keys refused it (exit 1 or 2), and a restart would be refused the same way
+            slot.state, slot.handle = "given_up", None
+            log.error("%s worker %s exited with status %s before registering (see its preflight or error above): "
+                      "a configuration error, not restarted", slot.role, slot.name, status)  # fmt: skip
             return
         while slot.exits and now - slot.exits[0] > self.policy.window:
             slot.exits.popleft()
@@ -233,4 +245,4 @@ class Supervisor:
         """(lock held) Start the slot's worker."""
         slot.next_start = None
         slot.handle = self.launch(slot.role, slot.name)
-        slot.state = "starting"
+        slot.state, slot.registered = "starting", False
