@@ -168,3 +168,18 @@ def test_a_tenant_stays_on_its_prefill_worker_until_that_worker_is_clearly_busie
     core.route([1] * 16, small, RequestId("a-next"), "alice", lambda out: None)
     assert core._routed[RequestId("a-big")].prefill == home
     assert core._routed[RequestId("a-next")].prefill != home  # now the load wins over the affinity
+
+
+@pytest.mark.parametrize(
+    "broken",
+    [{"pool_pages": None}, {"page_size": 0}, {"context_length": "256"}, {"layout": ""}, {"vocab_size": True}],
+)
+def test_a_registration_with_a_malformed_fingerprint_is_refused_and_changes_nothing(broken):
+    """A peer's bad input: the fingerprint feeds admission and placement, so a missing or ill-typed field is
+    refused at registration (counted), never a KeyError later."""
+    core, sent = core_with_outbox()
+    register(core, b"P", "prefill", fingerprint())
+    fp = {k: v for k, v in fingerprint(**broken).items() if v is not None}
+    register(core, b"X", "decode", fp)
+    assert set(core.workers) == {b"P"} and sent[-1] == (b"X", "refused")
+    assert core.refused["malformed_fingerprint"] == 1

@@ -29,7 +29,13 @@ from kvfence.model.tokenizer import Tokenizer
 from kvfence.pd.router import NoWorkers, Router
 
 STEP_WAIT_S = 0.05
-REGISTRATION_REFUSALS = ("role_not_allowed", "key_in_use", "duplicate_registration", "fingerprint_mismatch")
+REGISTRATION_REFUSALS = (
+    "role_not_allowed",
+    "key_in_use",
+    "duplicate_registration",
+    "fingerprint_mismatch",
+    "malformed_fingerprint",
+)
 
 
 @dataclass(frozen=True, slots=True)

@@ -110,6 +110,21 @@ def _unseen(routed: _Routed, out: RequestOutput) -> RequestOutput:
     )
 
 
+FINGERPRINT_INTS = ("vocab_size", "context_length", "pool_pages", "page_size")
+
+
+def _fingerprint_problem(fp: Mapping[str, Any]) -> str | None:
+    """What is wrong with a registration's fingerprint (kvfence/pd/worker.py::fingerprint), or None: placement
+    and admission (I5, I6) read every one of these fields."""
+    if not isinstance(fp.get("layout"), str) or not fp["layout"]:
+        return "layout must be a non-empty string"
+    for key in FINGERPRINT_INTS:
+        value = fp.get(key)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            return f"{key} must be a positive integer, got {value!r}"
+    return None
+
+
 class RouterCore:
     def __init__(
         self,
@@ -414,6 +429,10 @@ class RouterCore:
                 self._send(identity, control.Refused(reason, retry=True))
                 return
         fp = msg.fingerprint
+        if problem := _fingerprint_problem(fp):  # a peer's bad input: refused, nothing registered
+            self.refuse("malformed_fingerprint", msg)
+            self._send(identity, control.Refused(f"fingerprint: {problem}"))
+            return
         for other in self.workers.values():
             if (
                 other.fingerprint["layout"] != fp["layout"]
