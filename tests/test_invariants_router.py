@@ -183,3 +183,19 @@ def test_a_registration_with_a_malformed_fingerprint_is_refused_and_changes_noth
     register(core, b"X", "decode", fp)
     assert set(core.workers) == {b"P"} and sent[-1] == (b"X", "refused")
     assert core.refused["malformed_fingerprint"] == 1
+
+
+def test_placement_counts_the_pages_a_worker_reports_held_beyond_what_the_router_committed():
+    """A worker's heartbeat says how many of its pages are held (quarantined after a revoked transfer, leased by
+    requests the router no longer tracks): placement sees the fuller of the two figures, not only its own."""
+    from kvfence.engine.request import SamplingParams
+    from kvfence.ids import RequestId
+
+    core, _ = core_with_outbox()
+    for identity, role in ((b"P", "prefill"), (b"D0", "decode"), (b"D1", "decode")):
+        register(core, identity, role, fingerprint(pool_pages=64))
+    pool = {"num_pages": 64, "num_free": 24, "num_cached": 10, "num_leased": 30, "num_quarantined": 10}
+    core.on_message(b"D0", control.Heartbeat(worker=b"D0".hex(), pool_free=24, pool=pool))
+    for n in range(2):
+        core.route([1] * 16, SamplingParams(max_tokens=4), RequestId(f"r{n}"), "t", lambda out: None)
+    assert {core._routed[RequestId(f"r{n}")].decode for n in range(2)} == {b"D1"}

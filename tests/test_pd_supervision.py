@@ -8,6 +8,7 @@ waits until the router's /cluster/status counts it there before killing the work
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -128,30 +129,40 @@ def test_a_crash_loop_is_given_up_on_and_cluster_scale_starts_a_fresh_worker(tin
 
 
 def test_cluster_scale_adds_a_worker_that_takes_traffic_and_drains_it_away(tiny_dir, keys_file):
+    """Scale out to two decode workers: the new one takes traffic while the old one is busy. Scale in: the
+    newest drains with a request in flight, takes nothing new, finishes that request (200), then leaves."""
     with pd_serve(tiny_dir, keys_file, *FLAGS) as url:
         scaled = kvfence_cluster(url, "scale", "--prefill-workers", "1", "--decode-workers", "2")
         assert scaled.returncode == 0, scaled.stderr
         wait_for(lambda: len(registered(url, "decode")) == 2, "the second decode worker")
         old, new = sorted(registered(url, "decode"), key=lambda w: w["name"])
         assert new["name"] == "decode-1"
-        os.kill(
-            old["pid"], signal.SIGSTOP
-        )  # the old one is busy: placement by load sends the next to the new
+        by_name = lambda name: next(w for w in registered(url, "decode") if w["name"] == name)  # noqa: E731
         try:
             with ThreadPoolExecutor(2) as pool:
-                held = pool.submit(complete, url)
-                wait_for(
-                    lambda: registered(url, "decode")[0]["in_flight"] == 1, "a request on the old worker"
-                )
-                assert complete(url).status_code == 200  # placed on the new one, while the old one is stopped
-                # scale in: the newest decode worker drains (it has nothing in flight) and leaves
-                scaled = kvfence_cluster(url, "scale", "--prefill-workers", "1", "--decode-workers", "1")
-                assert scaled.returncode == 0 and "draining: decode-1" in scaled.stdout, scaled
+                os.kill(old["pid"], signal.SIGSTOP)  # both idle: the first request goes to the first in turn
+                held_old = pool.submit(complete, url)
+                wait_for(lambda: by_name("decode-0")["in_flight"] == 1, "a request on the old worker")
+                assert complete(url).status_code == 200  # the old one is loaded: placed on the new one
+                os.kill(new["pid"], signal.SIGSTOP)
+                held_new = pool.submit(complete, url)  # the new one is the less loaded: it takes this one
+                wait_for(lambda: by_name("decode-1")["in_flight"] == 1, "a request on the new worker")
+                os.kill(old["pid"], signal.SIGCONT)  # (stopped only briefly: 5 s without heartbeats is death)
+                assert held_old.result().status_code == 200
+                # scale in: the newest decode worker drains, with its request in flight
+                scaled = httpx.post(f"{url}/cluster/scale", json={"prefill_workers": 1, "decode_workers": 1},
+                                    headers={"Authorization": f"Bearer {ADMIN}"}, timeout=30)  # fmt: skip
+                assert scaled.json()["draining"] == ["decode-1"], scaled.text
+                wait_for(lambda: by_name("decode-1")["state"] == "draining", "the drain to start")
+                assert complete(url).status_code == 200  # placed on decode-0: a draining worker takes nothing
+                os.kill(new["pid"], signal.SIGCONT)
+                assert held_new.result().status_code == 200  # it finished its request...
                 wait_for(lambda: [w["name"] for w in registered(url, "decode")] == ["decode-0"], "the drain")
-                os.kill(old["pid"], signal.SIGCONT)
-                assert held.result().status_code == 200
+                assert by_name("decode-0")["placed_total"] == 2  # ...and left; the old one was never drained
         finally:
             os.kill(old["pid"], signal.SIGCONT)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(new["pid"], signal.SIGCONT)
         names = lambda: sorted(s["name"] for s in status(url)["supervised"])  # noqa: E731
         wait_for(lambda: names() == ["decode-0", "prefill-0"], "the drained process to exit")
         supervised = status(url)["supervised"]

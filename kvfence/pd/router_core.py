@@ -71,9 +71,12 @@ class WorkerInfo:
         return int(self.fingerprint["pool_pages"])
 
     def load(self) -> float:
-        """How full this worker is, as placement sees it: the pages the router committed to it over its pool,
-        plus its own waiting queue (a worker the router has not heard from lately can be busier than it knows)."""
-        return self.committed_pages / max(1, self.pool_pages) + (self.num_waiting or 0) / 64
+        """How full this worker is, as placement sees it: the pages in use over its pool (the more of what the
+        router committed to it and what its latest heartbeat reports held: leased, quarantined, sealed in use;
+        not the evictable cache), plus its own waiting queue."""
+        pool = self.health.get("pool") or {}
+        held = int(pool.get("num_pages", 0)) - int(pool.get("num_free", 0))  # num_free counts the cache too
+        return max(self.committed_pages, held) / max(1, self.pool_pages) + (self.num_waiting or 0) / 64
 
 
 @dataclass
