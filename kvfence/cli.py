@@ -43,6 +43,13 @@ def run_configured(args: argparse.Namespace) -> int:
 
 
 def _serve(config: tree.Config, args: argparse.Namespace) -> int:
+    if (
+        config.pd.mode == "colocated" and config.pd.placement is not None
+    ):  # the router's option, not a server's
+        print(
+            "kvfence serve: --placement only applies to --mode pd (this server is colocated)", file=sys.stderr
+        )
+        return 2
     if config.pd.ray is not None:
         from kvfence.runtime.ray_cluster import cmd_serve_ray
 

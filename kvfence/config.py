@@ -344,10 +344,11 @@ class PDOptions:
     decode_workers: int = option(
         1, "PD: decode worker processes (or Ray actors) to start", commands=frozenset({SERVE})
     )
-    placement: str = option(
-        "load",
-        "how the router picks a request's prefill and decode worker: load (the least loaded pool that holds "
-        "it) or round-robin (in turn, among pools that hold it)",
+    placement: str | None = option(
+        None,
+        "how the router picks a request's prefill and decode worker: load (the default: the least loaded pool "
+        "that holds it, a tenant kept on its prefill worker within a bound) or round-robin (in turn, among "
+        "pools that hold it)",
         commands=frozenset({SERVE, ROUTER}),
         choices=("load", "round-robin"),
     )
@@ -357,8 +358,8 @@ class PDOptions:
         "restart",
         commands=frozenset({SERVE}),
     )
-    restart_window: float = option(
-        300.0, "PD: seconds over which --max-restarts counts", commands=frozenset({SERVE})
+    restart_window: float | None = option(
+        None, "PD: seconds over which --max-restarts counts (default 300)", commands=frozenset({SERVE})
     )
     ray: str | None = option(
         None,
@@ -385,13 +386,16 @@ class PDOptions:
             "--insecure-cluster and --cluster-keys contradict each other: pick one",
         )
         check(self.max_restarts >= 0, f"--max-restarts must be at least 0, got {self.max_restarts}")
-        check(self.restart_window > 0, f"--restart-window must be positive, got {self.restart_window}")
+        check(
+            self.restart_window is None or self.restart_window > 0,
+            f"--restart-window must be positive, got {self.restart_window}",
+        )
         if (
             self.ray is not None
         ):  # Ray workers always get keys (made by the router actor); Ray counts restarts
             check(not self.insecure_cluster, "--ray always uses cluster keys: drop --insecure-cluster")
             check(
-                self.restart_window == 300.0,
+                self.restart_window is None,
                 "--restart-window is for workers on this host; Ray counts --max-restarts over an actor's life",
             )
         if self.mode == "colocated":  # serve's PD flags do nothing colocated: refused, not ignored
@@ -401,6 +405,8 @@ class PDOptions:
                 "--prefill-workers": self.prefill_workers != 1,
                 "--decode-workers": self.decode_workers != 1,
                 "--ray": self.ray is not None,
+                "--max-restarts": self.max_restarts != 5,
+                "--restart-window": self.restart_window is not None,
             }
             given = [flag for flag, set_ in pd_only.items() if set_]
             verb = "apply" if len(given) > 1 else "applies"

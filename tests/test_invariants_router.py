@@ -199,3 +199,59 @@ def test_placement_counts_the_pages_a_worker_reports_held_beyond_what_the_router
     for n in range(2):
         core.route([1] * 16, SamplingParams(max_tokens=4), RequestId(f"r{n}"), "t", lambda out: None)
     assert {core._routed[RequestId(f"r{n}")].decode for n in range(2)} == {b"D1"}
+
+
+def test_a_draining_prefill_worker_stays_until_its_requests_end_not_only_until_their_first_token():
+    """A prefill worker sends the first token before it ships the pages: retiring it then would cut the
+    transfer. It leaves when the request ends."""
+    from kvfence.engine.output import RequestOutput
+    from kvfence.engine.request import SamplingParams
+    from kvfence.ids import RequestId
+
+    core, sent = core_with_outbox()
+    for identity, role in ((b"P0", "prefill"), (b"P1", "prefill"), (b"D", "decode")):
+        register(core, identity, role, fingerprint())
+    core.route([1, 2, 3], SamplingParams(max_tokens=3), RequestId("r"), "t", lambda out: None)
+    prefill = core._routed[RequestId("r")].prefill
+    first = RequestOutput(RequestId("r"), (7,), "x", False, None, None, 3, 1, "x", (7,))
+    core.on_message(prefill, control.Output(first))
+    assert core.workers[prefill].placed == 0  # no longer loads it...
+    core.drain(prefill)
+    assert prefill in core.workers and (prefill, "shutdown") not in sent  # ...but its pages are still to go
+    done = RequestOutput(RequestId("r"), (7, 8), "xy", True, "length", None, 3, 2, "y", (8,))
+    core.on_message(b"D", control.Output(done))
+    assert prefill not in core.workers and (prefill, "shutdown") in sent
+
+
+def test_a_worker_scaled_in_before_it_registered_is_drained_when_it_does():
+    core, sent = core_with_outbox()
+    core.drain_matching(pid=77, name="decode-1")  # no keys here: matched by pid
+    core.on_message(b"D", control.Register("decode", fingerprint(), pid=77))
+    assert b"D" not in core.workers and (b"D", "shutdown") in sent
+
+
+def test_a_dead_worker_sweep_survives_a_drained_worker_retired_during_it():
+    """Dropping a dead prefill worker fails a request it shared with a draining decode worker, which retires it;
+    the sweep then reaches the decode worker, gone already: no KeyError on the router's I/O thread."""
+    from kvfence.engine.request import SamplingParams
+    from kvfence.ids import RequestId
+
+    now = [0.0]
+    core = RouterCore(clock=lambda: now[0])
+    core._send = lambda identity, message: None  # type: ignore[method-assign]
+    for identity, role in ((b"P", "prefill"), (b"D", "decode")):
+        register(core, identity, role, fingerprint())
+    core.route([1, 2, 3], SamplingParams(max_tokens=3), RequestId("r"), "t", lambda out: None)
+    core.drain(b"D")
+    now[0] = 100.0
+    core.reap_dead_workers()
+    assert core.workers == {}
+
+
+def test_a_heartbeat_with_malformed_counts_is_refused():
+    core, _ = core_with_outbox()
+    register(core, b"D", "decode", fingerprint())
+    for pool in ({"num_pages": "64", "num_free": 1}, {"num_free": 3}, {"num_pages": 4, "num_free": -1}):
+        core.on_message(b"D", control.Heartbeat(worker=b"D".hex(), pool=pool))
+    core.on_message(b"D", control.Heartbeat(worker=b"D".hex(), num_waiting=True))
+    assert core.refused["malformed_heartbeat"] == 4 and core.workers[b"D"].health == {}

@@ -153,7 +153,9 @@ def test_stop_stops_every_worker():
         (["--ray", "auto", "--decode-kv-pages", "8"], "--decode-kv-pages, --ray only apply to --mode pd"),
         (["--mode", "pd", "--decode-workers", "0"], "--decode-workers must be at least 1"),
         (["--mode", "pd", "--ray", "auto", "--insecure-cluster"], "--ray always uses cluster keys"),
-        (["--mode", "pd", "--ray", "auto", "--restart-window", "9"], "Ray counts --max-restarts"),
+        (["--mode", "pd", "--ray", "auto", "--restart-window", "300"], "Ray counts --max-restarts"),
+        (["--placement", "load"], "--placement only applies to --mode pd"),
+        (["--max-restarts", "3"], "--max-restarts only applies to --mode pd"),
         (["--mode", "pd", "--max-restarts", "-1"], "--max-restarts must be at least 0"),
         (["--mode", "pd", "--placement", "random"], "invalid choice"),
     ],
@@ -168,3 +170,39 @@ def test_scale_out_flags_that_would_do_nothing_or_contradict_are_refused(flags, 
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert done.returncode == 2 and message in done.stderr, done.stderr
+
+
+def test_scaling_in_a_worker_that_waits_to_restart_removes_it_and_one_still_starting_is_drained():
+    sup, router, clock, started = supervisor(RestartPolicy(base_delay=5.0))
+    sup.scale(1, 3)
+    sup.tick()
+    started[-1].status = -9  # decode-2 died: waiting 5 s to restart
+    sup.tick()
+    assert sup.status()[-1]["state"] == "restarting"
+    sup.scale(1, 1)  # decode-2 (restarting) goes at once; decode-1 is drained by the router
+    assert [s["name"] for s in sup.status()] == ["prefill-0", "decode-0", "decode-1"]
+    assert ("drain", started[2].pid, "decode-1") in router.events
+    clock.now += 60
+    sup.tick()
+    assert len(started) == 4  # decode-2 was never restarted
+
+
+def test_bundle_and_unpack_round_trip_and_unpack_refuses_paths_outside_its_directory(tmp_path):
+    from kvfence.pd import keys
+
+    directory = keys.ephemeral(prefill=1, decode=2)
+    try:
+        files = keys.bundle(directory, "prefill", "prefill-0")
+        assert sorted(files) == [
+            "decode/decode-0.key", "decode/decode-1.key", "prefill/prefill-0.key", "prefill/prefill-0.key_secret",
+            "router.key",
+        ]  # fmt: skip
+        out = keys.unpack(files)
+        assert keys.WorkerKeys.load(out, "prefill", "prefill-0").own.secret is not None
+        assert (out / "prefill" / "prefill-0.key_secret").stat().st_mode & 0o077 == 0
+        keys.remove(out)
+    finally:
+        keys.remove(directory)
+    for bad in ("/tmp/x.key", "../router.key", "decode/../../x.key", "cron/x.key", "router.txt", "a/b/c.key"):
+        with pytest.raises(keys.KeyFileError):
+            keys.unpack({bad: b"x"})

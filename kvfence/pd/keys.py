@@ -211,6 +211,9 @@ def ephemeral(prefill: int = 1, decode: int = 1) -> Path:
     return directory
 
 
+KEY_SUFFIXES = (".key", ".key_secret")
+
+
 def bundle(directory: Path, role: str, name: str) -> dict[str, bytes]:
     """What one worker needs of a keys directory, as {relative path: bytes}: the router's public key, its own
     pair and (a prefill worker: whom its data socket accepts) every decode public key. For launchers that hand
@@ -228,14 +231,14 @@ def bundle(directory: Path, role: str, name: str) -> dict[str, bytes]:
 def unpack(files: dict[str, bytes]) -> Path:
     """A private temporary keys directory holding `files` (from `bundle`), secrets mode 0600; the caller
     removes it (`remove`)."""
+    for relative in files:  # only the names `bundle` makes: router.key, ROLE/NAME.key, ROLE/NAME.key_secret
+        parts = Path(relative).parts
+        shaped = (len(parts) == 1 and relative == "router.key") or (len(parts) == 2 and parts[0] in ROLES)
+        if Path(relative).is_absolute() or ".." in parts or not shaped or not relative.endswith(KEY_SUFFIXES):
+            raise KeyFileError(Path(relative), "a key bundle names a path that is not a key of its directory")
     directory = Path(tempfile.mkdtemp(prefix="kvfence-keys-"))  # mode 0700
     for relative, data in files.items():
         path = directory / relative
-        if (
-            path.resolve().parent != (directory / Path(relative).parent).resolve()
-            or ".." in Path(relative).parts
-        ):
-            raise KeyFileError(path, "a key bundle names a path outside its directory")
         path.parent.mkdir(mode=0o700, exist_ok=True)
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "wb") as out:

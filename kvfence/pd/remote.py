@@ -124,7 +124,10 @@ class RemoteEngine:
             return bool(self._live)
 
     def step(self) -> list[RequestOutput]:
-        """Outputs that arrived from the workers; waits up to STEP_WAIT_S for the first one."""
+        """Outputs that arrived from the workers; waits up to STEP_WAIT_S for the first one. Raises if the
+        router's I/O thread died: the engine loop then fails every request and liveness turns 503."""
+        if not self.router.alive():
+            raise EngineUnavailable("the router's I/O thread stopped")
         try:
             outputs = [self._outputs.get(timeout=STEP_WAIT_S)]
         except queue.Empty:

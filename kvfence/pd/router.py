@@ -87,6 +87,7 @@ class Router(RouterCore):
         self._last_ping = 0.0
         self._last_reload = time.monotonic()
         self._running = True
+        self.loop_errors = 0  # exceptions the I/O thread caught and survived
         self._polls: dict[int, _Poll] = {}  # I/O thread only
         self._nonces = itertools.count(1)
         self._thread = threading.Thread(target=self._loop, name="kvfence-router", daemon=True)
@@ -162,19 +163,18 @@ class Router(RouterCore):
         """A launcher saw a worker die (`RouterCore.forget`): its requests fail now, not after its heartbeats."""
         self._post(lambda: self.forget(pid=pid, name=name if self.keys is not None else None))
 
+    def alive(self) -> bool:
+        """Whether the I/O thread runs (liveness: GET /health/live answers 503 once it does not)."""
+        return self._thread.is_alive()
+
     def is_registered(self, pid: int | None) -> bool:
         """Whether a worker with this process id is registered (any thread)."""
         return pid is not None and any(w.pid == pid for w in list(self.workers.values()))
 
     def drain_worker(self, pid: int | None, name: str) -> None:
-        """Scale-in: no new placements on that worker; it is told to shut down once its requests end."""
-
-        def drain() -> None:
-            for w in list(self.workers.values()):
-                if (self.keys is not None and w.name == name) or (self.keys is None and w.pid == pid):
-                    self.drain(w.identity)
-
-        self._post(drain)
+        """Scale-in: no new placements on that worker; it is told to shut down once its requests end, or as soon
+        as it registers if it has not yet."""
+        self._post(lambda: self.drain_matching(pid, name))
 
     def cluster_status(self) -> list[dict[str, Any]]:
         """The registered workers as placement sees them (any thread): `kvfence cluster status`."""
@@ -238,19 +238,26 @@ class Router(RouterCore):
         if self.handshakes is not None:
             poller.register(self.handshakes.monitor, zmq.POLLIN)
         while self._running:
-            for sock, _ in poller.poll(timeout=int(min(self.dead_after_s * 250, RELOAD_S * 1000))):
-                if sock is self._wake_rx:
-                    self._wake_rx.recv()
-                    while not self._work.empty():
-                        self._work.get_nowait()()
-                elif sock is self.socket:
-                    self._receive()
-                elif self.handshakes is not None:
-                    self.handshakes.drain()
-            self.reap_dead_workers()
-            self._ping_workers()
-            if time.monotonic() - self._last_reload >= RELOAD_S:
-                self._reload_keys()
+            try:
+                self._turn(poller)
+            except Exception:  # one bad message or bug must not stop routing for everyone (counted, logged)
+                self.loop_errors += 1
+                log.exception("router: error on the I/O thread (the router keeps running)")
+
+    def _turn(self, poller: zmq.Poller) -> None:
+        for sock, _ in poller.poll(timeout=int(min(self.dead_after_s * 250, RELOAD_S * 1000))):
+            if sock is self._wake_rx:
+                self._wake_rx.recv()
+                while not self._work.empty():
+                    self._work.get_nowait()()
+            elif sock is self.socket:
+                self._receive()
+            elif self.handshakes is not None:
+                self.handshakes.drain()
+        self.reap_dead_workers()
+        self._ping_workers()
+        if time.monotonic() - self._last_reload >= RELOAD_S:
+            self._reload_keys()
 
     def _receive(self) -> None:
         frames = self.socket.recv_multipart(copy=False)

@@ -128,6 +128,19 @@ def _fingerprint_problem(fp: Mapping[str, Any]) -> str | None:
     return None
 
 
+def _counts_ok(pool: Mapping[str, Any] | None) -> bool:
+    """A heartbeat's pool page counts: every value a non-negative integer, with the pool size and free count."""
+    if pool is None:
+        return True
+    if "num_pages" not in pool or "num_free" not in pool:
+        return False
+    return all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in pool.values())
+
+
+def _drain_key(w: WorkerInfo, keyed: bool) -> str:
+    return f"name:{w.name}" if keyed else f"pid:{w.pid}"
+
+
 class RouterCore:
     def __init__(
         self,
@@ -150,6 +163,7 @@ class RouterCore:
         self.workers: dict[bytes, WorkerInfo] = {}
         self._routed: dict[RequestId, _Routed] = {}
         self._rr = itertools.count()
+        self._pending_drains: set[str] = set()  # workers to drain when they register (`drain_matching`)
         self._affinity: collections.OrderedDict[str, bytes] = collections.OrderedDict()  # tenant -> prefill
         self.decisions: collections.deque[tuple[RequestId, bytes, bytes]] = collections.deque(maxlen=4096)
         # transfer ids: a 24-bit random prefix per router, then a counter (increasing: receivers rely on it)
@@ -266,7 +280,8 @@ class RouterCore:
 
     def _release(self, routed: _Routed, prefill: bool = True, decode: bool = True) -> None:
         """Placement's bookkeeping: the request no longer loads its prefill worker (first token or end) and/or
-        its decode worker (end). A draining worker whose last request ended is told to shut down."""
+        its decode worker (end). A draining worker none of whose requests is still routed is told to shut down:
+        a prefill worker sends the first token before its pages, so it stays until the request ends."""
         for identity, flag, attr in (
             (routed.prefill, prefill, "prefill_pages"),
             (routed.decode, decode, "decode_pages"),
@@ -278,8 +293,10 @@ class RouterCore:
             w = self.workers.get(identity)
             if w is not None:
                 w.placed, w.committed_pages = w.placed - 1, w.committed_pages - pages
-                if w.draining and w.placed == 0:
-                    self._retire(w)
+        for identity in (routed.prefill, routed.decode):
+            w = self.workers.get(identity)
+            if w is not None:
+                self._retire_if_drained(w)
 
     # ---- draining ----------------------------------------------------------------------------------------
 
@@ -293,20 +310,34 @@ class RouterCore:
             log.warning("%s worker %r draining: %d request(s) in flight", w.role, w.name or w.pid, w.placed)
             w.draining = True
             self._workers_changed()
-        if w.placed == 0:
-            self._retire(w)
+        self._retire_if_drained(w)
         return True
 
-    def _retire(self, w: WorkerInfo) -> None:
+    def drain_matching(self, pid: int | None, name: str) -> None:
+        """Drain the worker of that key name (with keys) or pid (without); one that has not registered yet is
+        drained as soon as it does (a scale-in can overtake a worker still loading its model)."""
+        key = f"name:{name}" if self.roles is not None else f"pid:{pid}"
+        found = [w for w in self.workers.values() if _drain_key(w, self.roles is not None) == key]
+        for w in found:
+            self.drain(w.identity)
+        if not found:
+            self._pending_drains.add(key)
+
+    def _retire_if_drained(self, w: WorkerInfo) -> None:
+        if not w.draining or w.identity not in self.workers:
+            return
+        if any(w.identity in (r.prefill, r.decode) for r in self._routed.values()):
+            return  # a request still needs it (its decode steps, or the transfer of its pages)
         log.warning("%s worker %r drained; shutting it down", w.role, w.name or w.pid)
         self._send(w.identity, control.Shutdown())
-        del self.workers[w.identity]
+        self.workers.pop(w.identity, None)
         self._workers_changed()
 
     def forget(self, pid: int | None = None, name: str | None = None) -> None:
         """A launcher saw a worker's process (or actor) die: drop it now rather than after its heartbeats stop;
         its requests fail with `worker_unavailable`. By pid and, with keys, name: a replacement that registered
         meanwhile (a new pid) is not touched."""
+        self._pending_drains.discard(f"name:{name}" if self.roles is not None else f"pid:{pid}")
         for w in [w for w in self.workers.values() if w.pid == pid and (not name or w.name == name)]:
             log.error("%s worker %r (pid %s) exited; failing its requests", w.role, w.name, w.pid)
             self._drop_worker(w)
@@ -381,6 +412,11 @@ class RouterCore:
             return
         if worker.principal != principal:
             return self.refuse("heartbeat_for_another_worker", msg)
+        if not _counts_ok(msg.pool) or not all(
+            v is None or (isinstance(v, int) and not isinstance(v, bool) and v >= 0)
+            for v in (msg.pool_free, msg.num_waiting, msg.num_running, msg.integrity_failures)
+        ):
+            return self.refuse("malformed_heartbeat", msg)  # placement and /metrics read these numbers
         worker.last_seen = self.clock()
         worker.pool_free = msg.pool_free
         worker.num_waiting = msg.num_waiting
@@ -405,7 +441,8 @@ class RouterCore:
             self._drop_worker(w)
 
     def _drop_worker(self, w: WorkerInfo) -> None:
-        del self.workers[w.identity]
+        if self.workers.pop(w.identity, None) is None:
+            return  # gone already (retired while an earlier worker in the same sweep was dropped)
         self._workers_changed()
         for rid, routed in list(self._routed.items()):
             if w.identity in (routed.prefill, routed.decode):
@@ -454,6 +491,10 @@ class RouterCore:
         self._workers_changed()
         log.info("registered %s worker %s", msg.role, fp)
         self._send(identity, control.Registered())
+        pending = _drain_key(info, self.roles is not None)
+        if pending in self._pending_drains:  # scaled in while it was still starting
+            self._pending_drains.discard(pending)
+            self.drain(identity)
 
     def worker_configs(self) -> list[dict[str, Any]]:
         """Each registered worker's public configuration tree, as it sent it at registration (any thread)."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import os
 import re
@@ -83,7 +84,7 @@ def cmd_router(config: Config, args: argparse.Namespace) -> int:
     except NoClusterKeys as exc:
         print(exc, file=sys.stderr)
         return 2
-    router = Router(bind=config.pd.bind, cluster_keys=cluster_keys, placement=config.pd.placement)
+    router = Router(bind=config.pd.bind, cluster_keys=cluster_keys, placement=config.pd.placement or "load")
     if cluster_keys is not None:  # revocation: `kill -HUP` re-reads the keys directory at once
         signal.signal(signal.SIGHUP, lambda *_: router.reload_keys())
     print(f"kvfence router: workers connect to {router.addr}", flush=True)
@@ -113,7 +114,9 @@ def cmd_serve_pd(config: Config, args: argparse.Namespace) -> int:
         directory = keys.ephemeral(prefill=0, decode=0)
     try:
         router_keys = keys.RouterKeys.load(directory) if directory else None
-        router = Router(bind="tcp://127.0.0.1:0", cluster_keys=router_keys, placement=config.pd.placement)
+        router = Router(
+            bind="tcp://127.0.0.1:0", cluster_keys=router_keys, placement=config.pd.placement or "load"
+        )
         with LocalWorkers(router, config, directory) as local:
             pd = config.pd
             if not router.wait_for_workers(
@@ -182,7 +185,11 @@ class ProcessHandle:
         return self.proc.poll()
 
     def stop(self) -> None:
-        reap([self.proc], terminate=self.proc.poll() is None, grace_s=10.0)
+        """Wait for it to exit (the router told it to), then SIGTERM, then SIGKILL."""
+        if self.proc.poll() is None:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(timeout=10.0)
+            reap([self.proc], terminate=self.proc.poll() is None, grace_s=10.0)
 
 
 class LocalWorkers:
@@ -200,7 +207,7 @@ class LocalWorkers:
             self.share = cores.create(Path(name))
         self._die_with_parent = parent_death_signal()
         self._next = {"prefill": 0, "decode": 0}
-        policy = RestartPolicy(config.pd.max_restarts, config.pd.restart_window)
+        policy = RestartPolicy(config.pd.max_restarts, config.pd.restart_window or RestartPolicy.window)
         self.supervisor = Supervisor(router, self._launch, policy, names=self._name, retire=self._retire)
 
     def __enter__(self) -> LocalWorkers:
@@ -214,8 +221,9 @@ class LocalWorkers:
         return self
 
     def __exit__(self, *exc: object) -> None:
+        self.supervisor.stop_supervising()  # first: a worker leaving now is not a crash to restart
         self.router.shutdown()  # tells the workers to exit
-        self.supervisor.stop()
+        self.supervisor.stop_workers()
         if self.share is not None:
             self.share.unlink(missing_ok=True)
 

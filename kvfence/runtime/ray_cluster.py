@@ -10,8 +10,9 @@ only configuration trees and the workers' keys travel as actor arguments. Placem
 
 Keys: the router actor makes the cluster's keys in a private directory on its node, a pool of `KEY_POOL` pairs
 per role, and hands each worker actor only its own pair, the router's public key and (a prefill worker) the
-decode public keys. A restarted actor gets the same arguments again, so it rejoins with its own key; a secret
-never leaves the router's node except to the one actor that uses it.
+decode public keys. A restarted actor gets the same arguments again, so it rejoins with its own key. Those
+arguments travel through Ray's control plane, and Ray keeps them (its GCS, on the head node) to restart the
+actor: run Ray on a network you trust (docs/security.md).
 
 A worker actor whose process dies is restarted by Ray on a node with its resource, when there is one; the
 router drops the dead worker at once (`RayHandle.exited` tells it), fails its requests with 503
@@ -75,12 +76,12 @@ class WorkerActor:
         def run() -> None:
             try:
                 self.status = run_worker(config, role, started=self._started)
-            except BaseException:
-                log.exception("%s worker %s failed", role, name)
-                self.status = 1
-            finally:
+            except BaseException:  # a crash: the process goes, so that Ray restarts the actor (max_restarts)
+                log.exception("%s worker %s failed; its actor process exits", role, name)
                 keys.remove(self.keys_dir)
-                self.done.set()
+                os._exit(1)
+            keys.remove(self.keys_dir)
+            self.done.set()  # it ended by itself (drained, refused by its preflight): wait_exit returns
 
         threading.Thread(target=run, name=f"kvfence-{name}", daemon=True).start()
 
@@ -212,7 +213,7 @@ class RouterActor:
         self.router = Router(
             bind=f"tcp://{node_ip()}:0",
             cluster_keys=keys.RouterKeys.load(self.keys_dir),
-            placement=self.config.pd.placement,
+            placement=self.config.pd.placement or "load",
         )
         self.workers = RayWorkers(self.router, self.config, self.keys_dir)
         self.workers.start()
@@ -247,8 +248,9 @@ class RouterActor:
         return self.router.audit(timeout)
 
     def stop(self) -> None:
+        self.workers.supervisor.stop_supervising()  # first: a worker leaving now is not a death to report
         self.router.shutdown()
-        self.workers.supervisor.stop()
+        self.workers.supervisor.stop_workers()
         keys.remove(self.keys_dir)
 
 

@@ -113,7 +113,7 @@ class Supervisor:
         self._retire = retire
         self._counts = collections.Counter[str]()
         self.slots: list[Slot] = []
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # every change of the slots, from tick() and from scale()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -135,28 +135,30 @@ class Supervisor:
 
     def scale(self, prefill: int, decode: int) -> dict[str, Any]:
         """Add workers, or drain the newest ones, until each role has the number asked for (given-up and
-        draining workers do not count). Returns what changed."""
+        draining workers do not count). Returns what changed. Two calls at once run one after the other."""
         if prefill < 1 or decode < 1:
             raise ValueError(f"a cluster needs at least one worker of each role, got {prefill} and {decode}")
         added, draining = [], []
-        for role, want in (("prefill", prefill), ("decode", decode)):
-            with self._lock:
+        with self._lock:
+            for role, want in (("prefill", prefill), ("decode", decode)):
                 serving = [
                     s for s in self.slots if s.role == role and s.state not in ("draining", "given_up")
                 ]
-            for _ in range(want - len(serving)):
-                added.append(self.add(role).name)
-            for slot in reversed(serving[want:] if want < len(serving) else []):
-                self._drain(slot)
-                draining.append(slot.name)
+                for _ in range(want - len(serving)):
+                    added.append(self.add(role).name)
+                for slot in reversed(serving[want:] if want < len(serving) else []):
+                    self._drain(slot)
+                    draining.append(slot.name)
         return {"added": added, "draining": draining}
 
     def _drain(self, slot: Slot) -> None:
-        with self._lock:
-            slot.state = "draining"
-            handle = slot.handle
-            slot.next_start = None
-        if handle is None or handle.exited() is not None:
+        """(lock held) A worker waiting to restart just goes; a running or starting one is drained by the router
+        (at once if it has not registered yet, when it does)."""
+        handle = slot.handle
+        slot.state, slot.next_start = "draining", None
+        if handle is None:
+            self.slots.remove(slot)
+            self._retire(slot.role, slot.name)
             return
         self.router.drain_worker(handle.pid, slot.name)  # it leaves once its requests end (`tick` sees it)
 
@@ -169,10 +171,17 @@ class Supervisor:
         self._thread.start()
 
     def stop(self) -> None:
-        """Stop supervising and stop every worker."""
+        """Stop supervising, then every worker."""
+        self.stop_supervising()
+        self.stop_workers()
+
+    def stop_supervising(self) -> None:
+        """No more restarts: first thing at shutdown, before the router tells the workers to exit."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
+
+    def stop_workers(self) -> None:
         with self._lock:
             handles = [s.handle for s in self.slots if s.handle is not None]
         for handle in handles:
@@ -190,29 +199,27 @@ class Supervisor:
     def tick(self) -> None:
         now = self.clock()
         with self._lock:
-            slots = list(self.slots)
-        for slot in slots:
-            handle = slot.handle
-            if handle is not None and slot.state in ("starting", "running", "draining"):
-                status = handle.exited()
-                if status is None:
-                    slot.state = "running" if slot.state == "starting" else slot.state
-                    slot.registered = slot.registered or self.router.is_registered(handle.pid)
-                    continue
-                self._exited(slot, handle, status, now)
-            if slot.state == "restarting" and slot.next_start is not None and now >= slot.next_start:
-                with self._lock:
+            for slot in list(self.slots):
+                handle = slot.handle
+                if handle is not None and slot.state in ("starting", "running", "draining"):
+                    status = handle.exited()
+                    if status is None:
+                        slot.state = "running" if slot.state == "starting" else slot.state
+                        slot.registered = slot.registered or self.router.is_registered(handle.pid)
+                        continue
+                    self._exited(slot, handle, status, now)
+                if slot.state == "restarting" and slot.next_start is not None and now >= slot.next_start:
                     slot.restarts += 1
                     self._start(slot)
 
     def _exited(self, slot: Slot, handle: Handle, status: int, now: float) -> None:
+        """(lock held) Its worker exited: let it go (drained), give up on it, or restart it after a delay."""
         slot.last_exit = status
         self.router.worker_exited(handle.pid, slot.name)  # its requests fail now (503 worker_unavailable)
         handle.stop()  # a process that exited: nothing; a Ray actor whose worker ended: its process goes too
         if slot.state == "draining":
             log.warning("%s worker %s drained and left", slot.role, slot.name)
-            with self._lock:
-                self.slots.remove(slot)
+            self.slots.remove(slot)
             self._retire(slot.role, slot.name)
             return
         if (
