@@ -45,8 +45,8 @@ def other_value(f: dataclasses.Field, current):  # type: ignore[no-untyped-def]
     return f"value-of-{f.name}"
 
 
-# exclusive with kv_pages, context clamping and cluster_keys: each tested on its own
-EXCLUSIVE = ("kv_cache_memory", "allow_undersized_pool", "insecure_cluster")
+# exclusive with kv_pages, context clamping, cluster_keys and restart_window: each tested on its own
+EXCLUSIVE = ("kv_cache_memory", "allow_undersized_pool", "insecure_cluster", "ray")
 
 
 def every_field_changed() -> Config:
