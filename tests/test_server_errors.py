@@ -123,7 +123,16 @@ BAD_PARAMS = [
     (C, {"logprobs": 50}, "logprobs"),
     (C, {"seed": 2**70}, "seed"),
     (C, {"echo": True}, "echo"),
-    (C, {"frequency_penalty": 0.5}, "frequency_penalty"),
+    (C, {"frequency_penalty": 2.5}, "frequency_penalty"),
+    (C, {"presence_penalty": -3}, "presence_penalty"),
+    (C, {"repetition_penalty": 0}, "repetition_penalty"),
+    (C, {"min_p": 1.5}, "min_p"),
+    (C, {"min_tokens": 5}, "min_tokens"),  # more than max_tokens (2)
+    (C, {"logit_bias": {"abc": 1}}, "logit_bias"),
+    (C, {"logit_bias": {"5": 101}}, "logit_bias"),
+    (C, {"logit_bias": {"999999": 1}}, "logit_bias"),  # outside the vocabulary: it would do nothing
+    (C, {"stop_token_ids": [-1]}, "stop_token_ids"),
+    (C, {"stop_token_ids": [999999]}, "stop_token_ids"),
     (C, {"model": None}, "model"),
     (C, {"prompt": None}, "prompt"),
     (CHAT, {"messages": None}, "messages"),

@@ -211,7 +211,7 @@ class LLMEngine(PDHandover):
         if not scheduled:
             return outputs
         self._step_no += 1
-        plan = Scheduler.build_plan(scheduled, self._step_no)
+        plan = self.scheduler.build_plan(scheduled, self._step_no)
         held = plan.all_pages
         self.pool.hold(held)
         if trace.enabled:  # what each row reads: its block table, the first pages its own writes

@@ -61,7 +61,11 @@ class ModelRunner:
         if not sample_rows:
             return StepResult(sampled={}, written=written)
         tokens, logprobs = self.sampler(
-            logits, [r.params for r in sample_rows], [r.num_generated for r in sample_rows]
+            logits,
+            [r.params for r in sample_rows],
+            [r.num_generated for r in sample_rows],
+            [r.history for r in sample_rows],
+            [r.banned for r in sample_rows],
         )
         token_list = tokens.tolist()
         sampled = {r.request_id: t for r, t in zip(sample_rows, token_list, strict=True)}

@@ -19,6 +19,8 @@ class PlanRow:
     sample: bool  # the chunk ends at the last known token, so the step produces the next one
     params: SamplingParams
     num_generated: int  # output tokens so far; with a seed, makes sampling independent of batching
+    history: tuple[int, ...] = ()  # prompt + output so far, only for rows whose penalties read it
+    banned: tuple[int, ...] = ()  # token ids it may not sample now (EOS and stop ids before min_tokens)
 
     @property
     def num_new_tokens(self) -> int:

@@ -34,6 +34,28 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top logprobs to return per token (0 = only the sampled token)
+    # logit processors (kvfence/model/sampler.py), applied to greedy and sampled rows alike, as OpenAI/vLLM do:
+    presence_penalty: float = 0.0  # minus this for every token already in the output
+    frequency_penalty: float = 0.0  # minus this times the token's count in the output
+    repetition_penalty: float = (
+        1.0  # divides positive (multiplies negative) logits of prompt and output tokens
+    )
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit), sorted by id
+    min_p: float = 0.0  # drop tokens less likely than min_p times the most likely one (sampled rows)
+    min_tokens: int = 0  # no EOS or stop token id before this many output tokens
+
+    @property
+    def adjusts_logits(self) -> bool:
+        return bool(
+            self.presence_penalty
+            or self.frequency_penalty
+            or self.repetition_penalty != 1.0
+            or self.logit_bias
+        )
+
+    @property
+    def needs_history(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -48,6 +70,24 @@ class SamplingParams:
             raise InvalidSamplingParams("top_k", f"top_k must be at least 1, got {self.top_k}")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise InvalidSamplingParams("logprobs", f"logprobs must be in [0, 20], got {self.logprobs}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise InvalidSamplingParams(name, f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if not 0.0 < self.repetition_penalty <= 2.0:
+            raise InvalidSamplingParams(
+                "repetition_penalty", f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}"
+            )
+        if not 0.0 <= self.min_p <= 1.0:
+            raise InvalidSamplingParams("min_p", f"min_p must be in [0, 1], got {self.min_p}")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise InvalidSamplingParams(
+                "min_tokens",
+                f"min_tokens must be in [0, max_tokens ({self.max_tokens})], got {self.min_tokens}",
+            )
+        if len(self.logit_bias) > 300 or any(not -100.0 <= b <= 100.0 or t < 0 for t, b in self.logit_bias):
+            raise InvalidSamplingParams(
+                "logit_bias", "logit_bias maps at most 300 token ids to biases in [-100, 100]"
+            )
 
     @property
     def greedy(self) -> bool:

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 from kvfence.config import SchedulerOptions
 from kvfence.engine.plan import Plan, PlanRow
-from kvfence.engine.request import Request, RequestState
+from kvfence.engine.request import Request, RequestState, SamplingParams
 from kvfence.ids import RequestId
 from kvfence.kv.pool import Lease, PagePool
 from kvfence.kv.prefix_cache import CachedPage, PrefixCache
@@ -179,12 +179,15 @@ class Scheduler:
         request.transition(RequestState.WAITING)
         self.waiting.appendleft(request)
 
-    @staticmethod
-    def build_plan(scheduled: list[Scheduled], step: int) -> Plan:
+    def build_plan(self, scheduled: list[Scheduled], step: int) -> Plan:
         rows = []
         for item in scheduled:
             r, start = item.request, item.request.num_computed_tokens
             end = start + item.num_new_tokens
+            p = r.params
+            sample = end == r.num_tokens
+            history = tuple(r.token_ids) if sample and p.needs_history else ()
+            banned = self._banned(p) if sample and r.num_output_tokens < p.min_tokens else ()
             rows.append(
                 PlanRow(
                     request_id=r.request_id,
@@ -192,9 +195,11 @@ class Scheduler:
                     start_pos=start,
                     pages=tuple(r.pages),
                     leases=tuple(r.leases),
-                    sample=end == r.num_tokens,
-                    params=r.params,
+                    sample=sample,
+                    params=p,
                     num_generated=r.num_output_tokens,
+                    history=history,
+                    banned=banned,
                 )
             )
         return Plan(rows=tuple(rows), step=step)
@@ -233,6 +238,11 @@ class Scheduler:
         """PD decode: a request whose prompt K/V arrived by transfer joins the running batch."""
         request.transition(RequestState.RUNNING)
         self.running.append(request)
+
+    def _banned(self, params: SamplingParams) -> tuple[int, ...]:
+        """What ends a request, held off until `min_tokens`: EOS (unless ignored) and the stop token ids."""
+        eos = () if params.ignore_eos else tuple(sorted(self.eos_token_ids))
+        return eos + params.stop_token_ids
 
     def _stop_reason(self, request: Request, token: int) -> str | None:
         params = request.params

@@ -1,9 +1,12 @@
 """Token sampling for a batch of rows, each with its own parameters.
 
-Greedy rows take the argmax. Other rows: temperature, then top-k, then top-p, then an exponential race
-(argmax of p / Exp(1) noise, equivalent to multinomial sampling). Rows with a seed draw their noise from a
-generator seeded by (seed, number of tokens generated so far), so a seeded request produces the same tokens
-whether it runs alone, in a batch, or after a preemption.
+First the logit processors a row asked for, on greedy and sampled rows alike (OpenAI's and vLLM's order):
+logit_bias, the repetition penalty over prompt and output, presence and frequency penalties over the output, and
+the tokens banned before min_tokens. Then greedy rows take the argmax. Other rows: temperature, then top-k, then
+top-p, then min-p, then an exponential race (argmax of p / Exp(1) noise, equivalent to multinomial sampling).
+Rows that ask for no processor cost nothing extra. Log-probabilities are those of the raw distribution. Rows
+with a seed draw their noise from a generator seeded by (seed, number of tokens generated so far), so a seeded
+request produces the same tokens whether it runs alone, in a batch, or after a preemption.
 """
 
 from __future__ import annotations
@@ -23,12 +26,24 @@ class Sampler:
         self._generator.manual_seed(seed)
 
     def __call__(
-        self, logits: Tensor, params: Sequence[SamplingParams], num_generated: Sequence[int]
+        self,
+        logits: Tensor,
+        params: Sequence[SamplingParams],
+        num_generated: Sequence[int],
+        histories: Sequence[Sequence[int]] | None = None,
+        banned: Sequence[Sequence[int]] | None = None,
     ) -> tuple[Tensor, Tensor | None]:
         """logits [N, V] float32 -> (token ids [N], log-probabilities [N, V] of the raw distribution, computed
-        only when some row asked for logprobs)."""
+        only when some row asked for logprobs). `histories[i]`: row i's prompt + output tokens (rows with
+        penalties); `banned[i]`: token ids row i may not take now."""
         want = any(p.logprobs is not None for p in params)
         logprobs = torch.log_softmax(logits, dim=-1) if want else None
+        adjusted = [i for i, p in enumerate(params) if p.adjusts_logits or (banned is not None and banned[i])]
+        if adjusted:
+            logits = logits.clone()
+            for i in adjusted:
+                history = histories[i] if histories is not None else ()
+                _adjust(logits[i], params[i], history, num_generated[i], banned[i] if banned else ())
         tokens = logits.argmax(dim=-1)
         random_rows = [i for i, p in enumerate(params) if not p.greedy]
         if random_rows:
@@ -65,4 +80,29 @@ class Sampler:
             drop = (sorted_probs.cumsum(dim=-1) - sorted_probs) >= top_p
             sorted_probs = sorted_probs.masked_fill(drop, 0.0)
             probs = torch.zeros_like(probs).scatter_(1, order, sorted_probs)
+        if any(p.min_p > 0.0 for p in params):
+            min_p = torch.tensor([p.min_p for p in params], device=logits.device).unsqueeze(1)
+            probs = probs.masked_fill(probs < min_p * probs.max(dim=-1, keepdim=True).values, 0.0)
         return probs
+
+
+def _adjust(
+    row: Tensor, p: SamplingParams, history: Sequence[int], num_generated: int, banned: Sequence[int]
+) -> None:
+    """One row's logits [V], in place: bias, repetition, presence and frequency penalties, bans."""
+    if p.logit_bias:
+        ids = torch.tensor([t for t, _ in p.logit_bias if t < row.shape[0]], dtype=torch.long)
+        bias = torch.tensor([b for t, b in p.logit_bias if t < row.shape[0]], dtype=row.dtype)
+        row.index_add_(0, ids, bias)
+    if p.needs_history and history:
+        seen = torch.tensor(history, dtype=torch.long)
+        if p.repetition_penalty != 1.0:
+            ids = torch.unique(seen)
+            values = row[ids]
+            row[ids] = torch.where(values > 0, values / p.repetition_penalty, values * p.repetition_penalty)
+        output = seen[len(history) - num_generated :] if num_generated else seen[:0]
+        if output.numel() and (p.presence_penalty or p.frequency_penalty):
+            counts = torch.bincount(output, minlength=row.shape[0])[: row.shape[0]].to(row.dtype)
+            row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
+    if banned:
+        row[torch.tensor(banned, dtype=torch.long)] = float("-inf")

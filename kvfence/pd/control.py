@@ -386,4 +386,6 @@ def params_to_json(params: SamplingParams) -> dict[str, Any]:
 def params_from_json(raw: Mapping[str, Any]) -> SamplingParams:
     known = {f.name for f in fields(SamplingParams)}
     values: dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v for k, v in raw.items() if k in known}
+    if "logit_bias" in values:  # pairs arrive as JSON lists
+        values["logit_bias"] = tuple(tuple(pair) for pair in values["logit_bias"])
     return SamplingParams(**values)

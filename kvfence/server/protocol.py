@@ -42,8 +42,15 @@ _FRIENDLY = {
 M = TypeVar("M", bound=BaseModel)
 
 
+# Fields of OpenAI's API that change nothing kvfence computes, accepted and ignored (docs/server.md, "Request
+# fields"); every other field a model does not declare is refused with 400 `unsupported_parameter`.
+IGNORED_FIELDS = frozenset({"metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key"})
+MAX_STOP_TOKEN_IDS = 64
+MAX_LOGIT_BIAS = 300
+
+
 class _Strict(BaseModel):
-    model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="ignore")
+    model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="forbid")
 
     @model_validator(mode="before")
     @classmethod
@@ -91,8 +98,49 @@ class _Common(_Strict):
     stream_options: StreamOptions | None = None
     user: str | None = Field(None, max_length=256)
     ignore_eos: bool = False  # vLLM extension, handy for benchmarks
-    frequency_penalty: float = Field(0.0, ge=0.0, le=0.0)  # not implemented: only the neutral value
-    presence_penalty: float = Field(0.0, ge=0.0, le=0.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    logit_bias: dict[str, float] = Field(default_factory=dict, max_length=MAX_LOGIT_BIAS)
+    # vLLM's extensions
+    repetition_penalty: float = Field(1.0, gt=0.0, le=2.0)
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    min_tokens: int = Field(0, ge=0, lt=_INT64)
+    stop_token_ids: list[int] = Field(default_factory=list, max_length=MAX_STOP_TOKEN_IDS)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_ignored(cls, data: Any) -> Any:
+        """The harmless fields (IGNORED_FIELDS) go, and so does any field sent as null (it asks for nothing);
+        `best_of` gets a message of its own."""
+        if not isinstance(data, dict):
+            return data
+        if data.get("best_of") is not None:
+            raise OpenAIError(400, "best_of is not supported: ask for n choices and pick among them",
+                              param="best_of", code="unsupported_parameter")  # fmt: skip
+        return {k: v for k, v in data.items() if k not in IGNORED_FIELDS and v is not None}
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _check_logit_bias(cls, v: dict[str, float]) -> dict[str, float]:
+        for key, bias in v.items():
+            if not key.isdigit() or not -100.0 <= bias <= 100.0:
+                raise ValueError("logit_bias maps token ids (as strings) to biases in [-100, 100]")
+        return v
+
+    @field_validator("stop_token_ids")
+    @classmethod
+    def _check_stop_token_ids(cls, v: list[int]) -> list[int]:
+        if any(t < 0 for t in v):
+            raise ValueError("stop_token_ids must be token ids (non-negative integers)")
+        return v
+
+    def token_ids_outside(self, vocab_size: int) -> str | None:
+        """The parameter naming a token id beyond the vocabulary, if any (refused: it would do nothing)."""
+        if any(int(k) >= vocab_size for k in self.logit_bias):
+            return "logit_bias"
+        if any(t >= vocab_size for t in self.stop_token_ids):
+            return "stop_token_ids"
+        return None
 
     @field_validator("stop")
     @classmethod
@@ -181,6 +229,12 @@ def _validation_error(exc: ValidationError) -> OpenAIError:
         param = f"{param}[{part}]" if isinstance(part, int) else f"{param}.{part}"
     if first["type"] == "missing":
         return invalid(param, f"missing required parameter: '{param}'", code="missing_required_parameter")
+    if first["type"] == "extra_forbidden":
+        unsupported = (
+            f"unsupported parameter: '{param}': kvfence does not implement it, and ignoring it would change "
+            'what you asked for (the supported fields: docs/server.md, "Request fields")'
+        )
+        return invalid(param, unsupported, code="unsupported_parameter")
     top = str(loc[0]) if loc else ""
     message = _FRIENDLY.get(top) if top in _FRIENDLY and len(loc) <= 2 else None
     return invalid(param, message or f"invalid value for '{param}': {first['msg']}")
@@ -220,8 +274,15 @@ def sampling_params(
             top_k=req.top_k if req.top_k and req.top_k > 0 else None,
             seed=None if req.seed is None else req.seed + choice,
             stop=req.stop_tuple,
+            stop_token_ids=tuple(req.stop_token_ids),
             ignore_eos=req.ignore_eos,
             logprobs=logprobs,
+            presence_penalty=req.presence_penalty,
+            frequency_penalty=req.frequency_penalty,
+            repetition_penalty=req.repetition_penalty,
+            logit_bias=tuple(sorted((int(k), float(b)) for k, b in req.logit_bias.items())),
+            min_p=req.min_p,
+            min_tokens=req.min_tokens,
         )
     except InvalidSamplingParams as e:
         raise invalid(e.param, str(e)) from e

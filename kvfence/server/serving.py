@@ -169,6 +169,8 @@ class Serving:
 
     def _submit(self, body: Body, prompts: list[list[int]], rid: str, tenant: str) -> _Job:
         limits = self.engine.engine.limits
+        if param := body.token_ids_outside(self.vocab_size):
+            raise invalid(param, f"{param} names token ids outside the vocabulary (size {self.vocab_size})")
         expanded = [ids for ids in prompts for _ in range(body.n)]
         params = [sampling_params(body, len(ids), limits, j) for ids in prompts for j in range(body.n)]
         input_param = "messages" if isinstance(body, ChatCompletionRequest) else "prompt"
