@@ -156,6 +156,13 @@ GOOD = {
     "stream_options": st.fixed_dictionaries({"include_usage": st.booleans()}),
     "user": st.text(max_size=10),
     "ignore_eos": st.booleans(),
+    "presence_penalty": st.floats(-2, 2),
+    "frequency_penalty": st.floats(-2, 2),
+    "repetition_penalty": st.floats(0.1, 2),
+    "logit_bias": st.dictionaries(st.integers(0, 383).map(str), st.floats(-100, 100), max_size=4),
+    "min_p": st.floats(0, 1),
+    "min_tokens": st.integers(0, 12),
+    "stop_token_ids": st.lists(st.integers(0, 383), max_size=3),
 }
 completion = st.fixed_dictionaries(
     {
@@ -184,7 +191,9 @@ chat = st.fixed_dictionaries(
         "max_completion_tokens": st.integers(1, 12),
     },
 )
-NAMES = sorted({"model", "prompt", "messages", "logprobs", "top_logprobs", "max_completion_tokens", *GOOD})
+# beside the known fields, ones kvfence refuses (400 unsupported_parameter) and ones it accepts and ignores
+NAMES = sorted({"model", "prompt", "messages", "logprobs", "top_logprobs", "max_completion_tokens", *GOOD,
+                "tools", "response_format", "best_of", "no_such_field", "metadata", "store"})  # fmt: skip
 mutations = st.lists(st.tuples(st.sampled_from(NAMES), st.none() | junk, st.booleans()), max_size=3)
 
 
