@@ -139,3 +139,31 @@ def test_the_sampling_set_crosses_the_pd_control_plane_intact():
     decoded = control.decode(wire)
     assert isinstance(decoded, control.Prefill)
     assert control.params_from_json(decoded.params) == params
+
+
+def test_tokenize_and_detokenize(server, tiny_model):
+    tok = tiny_model.tokenizer
+    r = httpx.post(f"{server.url}/tokenize", json={"model": MODEL, "prompt": "hello there"}, timeout=60)
+    assert r.status_code == 200, r.text
+    got = r.json()
+    assert got["tokens"] == tok.encode("hello there", add_special_tokens=True) and got["count"] == len(
+        got["tokens"]
+    )
+    assert got["max_model_len"] > 0
+    back = httpx.post(f"{server.url}/detokenize", json={"model": MODEL, "tokens": got["tokens"]}, timeout=60)
+    assert back.status_code == 200 and "hello there" in back.json()["prompt"]
+    messages = [{"role": "user", "content": "hi"}]
+    counted = httpx.post(f"{server.url}/tokenize", json={"model": MODEL, "messages": messages}, timeout=60)
+    chat = server.client().chat.completions.create(model=MODEL, messages=messages, max_tokens=1)
+    assert counted.json()["count"] == chat.usage.prompt_tokens  # exactly what the engine was given
+    for path, body, param in (
+        ("/detokenize", {"model": MODEL, "tokens": [10**6]}, "tokens"),
+        ("/tokenize", {"model": MODEL, "prompt": "a", "messages": messages}, None),
+        ("/tokenize", {"model": MODEL}, None),
+        ("/tokenize", {"model": MODEL, "prompt": "a", "truncate": 3}, "truncate"),
+    ):
+        bad = httpx.post(f"{server.url}{path}", json=body, timeout=60)
+        assert bad.status_code == 400, bad.text
+        assert param is None or bad.json()["error"]["param"] == param
+    wrong = httpx.post(f"{server.url}/tokenize", json={"model": "other", "prompt": "a"}, timeout=60)
+    assert wrong.status_code == 404

@@ -31,7 +31,14 @@ from kvfence.server.async_engine import AsyncEngine
 from kvfence.server.auth import Authenticator, Operators
 from kvfence.server.errors import OpenAIError, install_handlers, invalid
 from kvfence.server.metrics import CONTENT_TYPE, ServerMetrics
-from kvfence.server.protocol import ChatCompletionRequest, CompletionRequest, capacity, parse_body
+from kvfence.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+    capacity,
+    parse_body,
+)
 from kvfence.server.serving import ClusterControl, ServerSettings, Serving
 
 M = TypeVar("M", bound=BaseModel)
@@ -93,6 +100,14 @@ def _generation_routes(
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         return await handle(request, ChatCompletionRequest, serving.chat)
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> Response:
+        return await handle(request, TokenizeRequest, serving.tokenize)
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> Response:
+        return await handle(request, DetokenizeRequest, serving.detokenize)
 
 
 def _info_routes(

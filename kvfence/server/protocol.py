@@ -202,6 +202,27 @@ class ChatCompletionRequest(_Common):
         return [{"role": m.role, "content": m.text()} for m in self.messages]
 
 
+class TokenizeRequest(_Strict):
+    """POST /tokenize (vLLM's shape): a prompt, or chat messages rendered with the model's template."""
+
+    model: str
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1, max_length=4096)
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+    @model_validator(mode="after")
+    def _one_input(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of prompt and messages")
+        return self
+
+
+class DetokenizeRequest(_Strict):
+    model: str
+    tokens: TokenIds
+
+
 # ---- parsing ------------------------------------------------------------------------------------------
 
 

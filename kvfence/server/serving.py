@@ -38,6 +38,9 @@ from kvfence.server.metrics import ServerMetrics
 from kvfence.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+    capacity,
     check_chat_options,
     sampling_params,
 )
@@ -135,6 +138,37 @@ class Serving:
         return JSONResponse(
             R.chat_body(rid, job.created, body.model, choices, body.n, self.token_text, body.logprobs)
         )
+
+    async def tokenize(self, body: TokenizeRequest, http: HTTPRequest, tenant: str) -> Response:
+        """POST /tokenize: the token ids the engine would see (chat: after the template), their count, and the
+        longest sequence one request may span. Nothing is queued or allocated."""
+        self.check_model(body.model)
+        if body.messages is not None:
+            messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+            try:
+                text = await asyncio.to_thread(
+                    self.tokenizer.apply_chat_template,
+                    messages,
+                    add_generation_prompt=body.add_generation_prompt,
+                )
+            except ChatTemplateError as e:
+                raise invalid("messages", str(e)) from e
+            ids = await asyncio.to_thread(self.tokenizer.encode, text, add_special_tokens=False)
+        else:
+            assert body.prompt is not None
+            ids = await asyncio.to_thread(
+                self.tokenizer.encode, body.prompt, add_special_tokens=body.add_special_tokens
+            )
+        limit = capacity(self.engine.engine.limits)
+        return JSONResponse({"tokens": list(ids), "count": len(ids), "max_model_len": limit})
+
+    async def detokenize(self, body: DetokenizeRequest, http: HTTPRequest, tenant: str) -> Response:
+        """POST /detokenize: the text of token ids (special tokens kept, as the engine's output shows them)."""
+        self.check_model(body.model)
+        if any(t >= self.vocab_size for t in body.tokens):
+            raise invalid("tokens", f"tokens contains ids outside the vocabulary (size {self.vocab_size})")
+        text = await asyncio.to_thread(self.tokenizer.decode, list(body.tokens), skip_special_tokens=False)
+        return JSONResponse({"prompt": text})
 
     def check_model(self, model: str) -> None:
         if model != self.settings.served_model_name:
