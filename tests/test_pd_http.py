@@ -200,3 +200,13 @@ def test_workers_exit_when_serve_is_killed_with_9(tiny_dir, tmp_path):
         while any(pid in _processes() and "kvfence" in _processes()[pid][1] for pid in workers):
             assert time.monotonic() < deadline, "the workers outlived kill -9 of serve"
             time.sleep(0.1)  # poll interval
+
+
+def test_pd_usage_reports_the_callers_own_cached_tokens(pd_server, tiny_model, tiny_dir):
+    """The prefix cache lives on the prefill worker: its first token carries the hits to the client's usage."""
+    rng = random.Random(77)
+    prompt = [rng.randrange(3, tiny_model.config.vocab_size) for _ in range(41)]
+    first = pd_server.completions.create(model=tiny_dir.name, prompt=prompt, max_tokens=2, temperature=0)
+    again = pd_server.completions.create(model=tiny_dir.name, prompt=prompt, max_tokens=2, temperature=0)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert again.usage.prompt_tokens_details.cached_tokens == 40

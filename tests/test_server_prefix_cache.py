@@ -51,8 +51,31 @@ def test_same_prompt_from_another_key_never_hits(tiny_model):
         _, again = complete(http, srv, "key-alice", prompt, max_tokens=6)
         assert again["choices"][0]["text"] == first["choices"][0]["text"]
         assert hit_tokens(srv, "alice") == 40 and hit_tokens(srv, "bob") == 0
+        assert probe["usage"]["prompt_tokens_details"]["cached_tokens"] == 0  # bob's own hits only: none
+        assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 40  # alice's own, in her usage
         assert srv.metric("kvfence_prefix_cache_hit_rate", tenant="alice") > 0.3
         assert srv.metric("kvfence_kv_pages", state="cached") > 0
+        srv.assert_pool_clean()
+
+
+def test_cache_salt_narrows_a_tenants_cache_and_never_widens_it(tiny_model):
+    """cache_salt (vLLM's): the key is tenant + salt. The same tenant with another salt, or none, misses; the
+    same salt from another tenant misses; the same tenant and salt hits."""
+    rng = random.Random(2)
+    prompt = random_prompt(rng, tiny_model.config.vocab_size, 41)
+    cached = lambda r: r["usage"]["prompt_tokens_details"]["cached_tokens"]  # noqa: E731
+    with running_server(tiny_model, api_keys=KEYS) as srv, httpx.Client(timeout=60) as http:
+        _, first = complete(http, srv, "key-alice", prompt, max_tokens=2, cache_salt="s1")
+        assert cached(first) == 0
+        assert cached(complete(http, srv, "key-alice", prompt, cache_salt="s2")[1]) == 0
+        assert cached(complete(http, srv, "key-alice", prompt)[1]) == 0
+        assert cached(complete(http, srv, "key-bob", prompt, cache_salt="s1")[1]) == 0
+        assert cached(complete(http, srv, "key-alice", prompt, cache_salt="s1")[1]) == 40
+        assert hit_tokens(srv, "bob") == 0
+        bad = http.post(f"{srv.base_url}/completions", headers={"Authorization": "Bearer key-alice"},
+                        json={"model": MODEL, "prompt": prompt, "cache_salt": "a\x00b"})  # fmt: skip
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "cache_salt"
         srv.assert_pool_clean()
 
 

@@ -323,7 +323,7 @@ class LLMEngine(PDHandover):
             return []
         failures = self.prefix_cache.canary(CANARY_PAGES)
         for failure in failures:
-            self._remember_failure(failure.as_log(), failure.entry.scope)
+            self._remember_failure(failure.as_log(), failure.entry.tenant)
         bad = {f.entry.page for f in failures if f.in_use}
         victims = [
             r

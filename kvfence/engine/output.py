@@ -31,6 +31,7 @@ class RequestOutput:
     text: str  # all text so far (final text when finished)
     token_ids: tuple[int, ...]  # all output token ids so far
     logprobs: tuple[LogprobEntry, ...] = ()  # one entry per new token when the request asked for logprobs
+    num_cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache (its own cache scope: I7)
 
 
 class _TextState:
@@ -118,6 +119,7 @@ class OutputProcessor:
             text="" if failed and request.error_code else text[:upto],
             token_ids=tuple(request.output_token_ids),
             logprobs=logprobs,
+            num_cached_tokens=request.num_cached_tokens,
         )
 
 

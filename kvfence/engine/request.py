@@ -43,6 +43,9 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit), sorted by id
     min_p: float = 0.0  # drop tokens less likely than min_p times the most likely one (sampled rows)
     min_tokens: int = 0  # no EOS or stop token id before this many output tokens
+    # not sampling, but per request and carried with it to PD workers: a sub-scope of the tenant's prefix
+    # cache (vLLM's cache_salt); requests share cached pages only with the same tenant and the same salt
+    cache_salt: str = ""
 
     @property
     def adjusts_logits(self) -> bool:

@@ -140,7 +140,7 @@ class Scheduler:
             return []
         assert not request.pages and request.num_computed_tokens == 0, "a waiting request holds pages"
         if request.cache_scope is None:
-            request.cache_scope = self.cache.scope_for(request.tenant)
+            request.cache_scope = self.cache.scope_for(request.tenant, request.params.cache_salt)
         # the last token must run (to sample the next one), in a page of the request's own
         max_pages = (request.num_tokens - 1) // self.pool.page_size
         return self.cache.match(request.cache_scope, request.token_ids, request.page_keys, max_pages)

@@ -49,7 +49,11 @@ _KEY_VERSION = b"kvfence/prefix-cache/v1\0"
 class CachedPage:
     key: bytes
     parent: bytes | None  # the previous page's key; None for a sequence's first page
-    scope: str  # the tenant whose requests may reuse it
+    scope: str  # the tenant whose requests may reuse it (and its cache salt, after a NUL: `scope_for`)
+
+    @property
+    def tenant(self) -> str:
+        return self.scope.split("\x00", 1)[0]
     tokens: tuple[int, ...]
     page: PageId
     lease: LeaseId  # the shared lease: the page's owner and tag while it is sealed
@@ -68,7 +72,7 @@ class DigestFailure:
             "event": "kv_digest_mismatch",
             "page": int(self.entry.page),
             "lease": f"{int(self.entry.lease):#018x}",
-            "tenant": self.entry.scope,
+            "tenant": self.entry.tenant,
             "expected_digest": f"{self.entry.digest:#018x}",
             "found_digest": f"{self.found:#018x}",
             "where": self.where,
@@ -123,10 +127,14 @@ class PrefixCache:
 
     # ---- keys -------------------------------------------------------------------------------------------
 
-    def scope_for(self, tenant: str) -> str:
-        """The cache scope of a request: its tenant. Fault knob `shared_prefix_cache` drops the tenant (the
-        historical cross-tenant bug): the request's pages are found by, and find, every tenant's."""
-        return "" if self.faults.fire("shared_prefix_cache") else tenant
+    def scope_for(self, tenant: str, salt: str = "") -> str:
+        """The cache scope of a request: its tenant, narrowed by its `cache_salt` when it sends one (a salt
+        never widens sharing: the scope still holds the tenant; tenants and salts hold no NUL, so the two
+        parts cannot be confused). Fault knob `shared_prefix_cache` drops the tenant (the historical
+        cross-tenant bug): the request's pages are found by, and find, every tenant's."""
+        if self.faults.fire("shared_prefix_cache"):
+            return ""
+        return f"{tenant}\x00{salt}" if salt else tenant
 
     def extend_keys(self, scope: str, token_ids: Sequence[int], keys: list[bytes], num_pages: int) -> None:
         """Extend `keys` (a request's chain so far, mutated) to cover its first `num_pages` full pages."""

@@ -32,6 +32,8 @@ def load_api_keys(path: str | Path) -> dict[str, str]:
     for key, tenant in data.items():
         if not isinstance(tenant, str) or not tenant or not key:
             raise ValueError(f"{p}: every entry must map a non-empty key to a non-empty tenant name")
+        if not tenant.isprintable():  # control characters (NUL separates a tenant from its cache salt)
+            raise ValueError(f"{p}: tenant name {tenant!r} has control characters")
     return dict(data)
 
 

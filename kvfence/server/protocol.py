@@ -106,6 +106,14 @@ class _Common(_Strict):
     min_p: float = Field(0.0, ge=0.0, le=1.0)
     min_tokens: int = Field(0, ge=0, lt=_INT64)
     stop_token_ids: list[int] = Field(default_factory=list, max_length=MAX_STOP_TOKEN_IDS)
+    cache_salt: str = Field("", max_length=256)  # a sub-scope of the caller's prefix cache (never wider)
+
+    @field_validator("cache_salt")
+    @classmethod
+    def _check_cache_salt(cls, v: str) -> str:
+        if not v.isprintable():
+            raise ValueError("cache_salt must be printable text (no control characters)")
+        return v
 
     @model_validator(mode="before")
     @classmethod
@@ -304,6 +312,7 @@ def sampling_params(
             logit_bias=tuple(sorted((int(k), float(b)) for k, b in req.logit_bias.items())),
             min_p=req.min_p,
             min_tokens=req.min_tokens,
+            cache_salt=req.cache_salt,
         )
     except InvalidSamplingParams as e:
         raise invalid(e.param, str(e)) from e

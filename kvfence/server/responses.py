@@ -25,23 +25,33 @@ class Choice:
     error_code: str | None = None
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
+    num_cached_tokens: int = 0
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[LogprobEntry] = field(default_factory=list)
 
     def update(self, out: RequestOutput) -> None:
         self.text = out.text
         self.num_prompt_tokens, self.num_output_tokens = out.num_prompt_tokens, out.num_output_tokens
+        # PD: the prefill worker's first token carries the hits; the decode worker's outputs say 0
+        self.num_cached_tokens = max(self.num_cached_tokens, out.num_cached_tokens)
         self.token_ids.extend(out.new_token_ids)
         self.logprobs.extend(out.logprobs)
         if out.finished:
             self.finish_reason, self.error_code = out.finish_reason, out.error_code
 
 
-def usage(choices: list[Choice], n: int) -> dict[str, int]:
-    """Prompt tokens count each prompt once (not once per choice), as OpenAI does."""
+def usage(choices: list[Choice], n: int) -> dict[str, Any]:
+    """Prompt tokens count each prompt once (not once per choice), as OpenAI does; `cached_tokens`: those of
+    them whose K/V came from the caller's own prefix cache (the cache is scoped by tenant, I7)."""
     prompt = sum(c.num_prompt_tokens for c in choices[::n])
+    cached = sum(c.num_cached_tokens for c in choices[::n])
     completion = sum(c.num_output_tokens for c in choices)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }
 
 
 def sse(obj: dict[str, Any]) -> str:
