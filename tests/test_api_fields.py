@@ -100,7 +100,6 @@ def test_min_p_of_one_keeps_only_the_most_likely_token(server):
         ("/completions", "best_of", 2),
         ("/completions", "suffix", "x"),
         ("/completions", "guided_json", {"type": "object"}),
-        ("/chat/completions", "response_format", {"type": "json_object"}),
         ("/chat/completions", "tools", [{"type": "function", "function": {"name": "f"}}]),
         ("/chat/completions", "tool_choice", "auto"),
         ("/chat/completions", "functions", [{"name": "f"}]),

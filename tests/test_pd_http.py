@@ -210,3 +210,17 @@ def test_pd_usage_reports_the_callers_own_cached_tokens(pd_server, tiny_model, t
     again = pd_server.completions.create(model=tiny_dir.name, prompt=prompt, max_tokens=2, temperature=0)
     assert first.usage.prompt_tokens_details.cached_tokens == 0
     assert again.usage.prompt_tokens_details.cached_tokens == 40
+
+
+def test_pd_structured_output_survives_the_hand_off(pd_server, tiny_dir):
+    """The prefill samples the first token under the grammar; the decode worker rebuilds the grammar's state from
+    it and goes on: the answer is one of the choices, never free text."""
+    schema = {"type": "object", "properties": {"go": {"type": "boolean"}}, "required": ["go"],
+              "additionalProperties": False}  # fmt: skip
+    for seed in range(3):
+        got = pd_server.chat.completions.create(
+            model=tiny_dir.name, messages=[{"role": "user", "content": "go?"}], max_tokens=32, temperature=1.0,
+            seed=seed, response_format={"type": "json_schema", "json_schema": {"name": "g", "schema": schema}},
+        )  # fmt: skip
+        assert json.loads(got.choices[0].message.content) in ({"go": True}, {"go": False})
+        assert got.choices[0].finish_reason == "stop"

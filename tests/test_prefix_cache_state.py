@@ -93,7 +93,7 @@ class CacheMachine(RuleBasedStateMachine):
         writes = [WriteSet(r.request_id, r.pages, r.leases, r.num_computed_tokens // P)
                   for r in (s.request for s in scheduled)]  # fmt: skip
         assert check_writes(self.pool, writes) == []
-        plan = Scheduler.build_plan(scheduled, 0)
+        plan = self.scheduler.build_plan(scheduled, 0)
         sampled = self.model.run(plan, self.requests)
         for row in plan.rows:
             written = range(row.start_pos // P, (row.context_len - 1) // P + 1)

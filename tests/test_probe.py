@@ -401,7 +401,10 @@ def test_kvfence_pd_with_an_undersized_prefill_pool_is_clean(tiny_dir, tmp_path)
     assert status == 0, report["findings"]
     refused = [r for r in report["results"] if r["status"] == 400]
     assert {r["kind"] for r in refused} >= {"at_limit", "over_limit", "over_output", "over_pool"}
-    assert report["requests"]["outcomes"]["served"] >= 30
+    # with kvfence's /tokenize the probe counts tokens exactly and sizes its plants at the pool's edge: a few more
+    # of them are refused (400, as they must be) than with estimates from usage
+    served = report["requests"]["outcomes"]["served"]
+    assert served >= 25, [(r["kind"], r["status"]) for r in report["results"] if r["status"] != 200]
 
 
 @contextlib.contextmanager

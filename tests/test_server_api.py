@@ -90,7 +90,10 @@ def test_streamed_completion_reassembles_to_the_non_streamed_text(client):
     text = "".join(c.choices[0].text for c in chunks if c.choices)
     assert text == full.choices[0].text
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
-    assert chunks[-1].choices == [] and chunks[-1].usage == full.usage
+    # the same counts; only cached_tokens may differ (the second request hits what the first cached)
+    assert chunks[-1].choices == [] and chunks[-1].usage is not None
+    counts = lambda u: (u.prompt_tokens, u.completion_tokens, u.total_tokens)  # noqa: E731
+    assert counts(chunks[-1].usage) == counts(full.usage)
     assert all(c.usage is None for c in chunks[:-1])
 
 

@@ -108,6 +108,8 @@ class PDHandover:
         request.add_leases(list(leases))
         request.num_computed_tokens = request.num_prompt_tokens
         request.token_ids.append(first_token)
+        if request.grammar is not None:  # the prefill's state is rebuilt here from the grammar and its token
+            request.grammar.consume(first_token)
         self.scheduler.adopt(request)
 
     def fail_transfer(self, request_id: str, code: str, reason: str | None = None) -> RequestOutput | None:

@@ -27,6 +27,7 @@ from kvfence.config import Config
 from kvfence.engine.admission import Limits, admit
 from kvfence.engine.config import torch_dtype
 from kvfence.engine.errors import DuplicateRequestId, InvalidSamplingParams
+from kvfence.engine.grammar import Grammars
 from kvfence.engine.handover import PDHandover
 from kvfence.engine.model_runner import ModelRunner
 from kvfence.engine.output import OutputProcessor, RequestOutput
@@ -107,6 +108,7 @@ class LLMEngine(PDHandover):
         )
         self.limits = Limits(self.context_length, num_pages, page_size)
         self.outputs = OutputProcessor(self.tokenizer)
+        self.grammars = Grammars(self.tokenizer, self.model_config.vocab_size)
         self.stats = EngineStats()
         # I1 checks and tag stamping. On by default; benchmarks toggle it on one warm engine to measure its cost.
         self.integrity_checks = config.cache.integrity_checks
@@ -165,6 +167,14 @@ class LLMEngine(PDHandover):
             self._live_ids.add(rid)
         request = Request(rid, token_ids, params, tenant=tenant, arrival=next(self._arrivals))
         request.prefill_only = prefill_only
+        if params.grammar:
+            try:
+                request.grammar = self.grammars.start(params.grammar)
+            except InvalidSamplingParams:
+                with self._lock:
+                    self._live_ids.discard(rid)
+                    self.stats.count("rejected:invalid")
+                raise
         return request
 
     def _fresh_id(self) -> RequestId:

@@ -66,6 +66,7 @@ class ModelRunner:
             [r.num_generated for r in sample_rows],
             [r.history for r in sample_rows],
             [r.banned for r in sample_rows],
+            [r.allowed for r in sample_rows],
         )
         token_list = tokens.tolist()
         sampled = {r.request_id: t for r, t in zip(sample_rows, token_list, strict=True)}

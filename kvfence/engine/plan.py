@@ -4,6 +4,7 @@ K/V lives. Plain data; the runner turns it into tensors and returns sampled toke
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from kvfence.engine.request import SamplingParams
 from kvfence.ids import LeaseId, PageId, RequestId
@@ -21,6 +22,7 @@ class PlanRow:
     num_generated: int  # output tokens so far; with a seed, makes sampling independent of batching
     history: tuple[int, ...] = ()  # prompt + output so far, only for rows whose penalties read it
     banned: tuple[int, ...] = ()  # token ids it may not sample now (EOS and stop ids before min_tokens)
+    allowed: Any = None  # structured output: bool[vocab] of the tokens its grammar allows next (numpy)
 
     @property
     def num_new_tokens(self) -> int:

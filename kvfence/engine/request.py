@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import Any
 
 from kvfence.engine.errors import InvalidSamplingParams
 from kvfence.ids import LeaseId, PageId, RequestId
@@ -46,6 +47,7 @@ class SamplingParams:
     # not sampling, but per request and carried with it to PD workers: a sub-scope of the tenant's prefix
     # cache (vLLM's cache_salt); requests share cached pages only with the same tenant and the same salt
     cache_salt: str = ""
+    grammar: str = ""  # structured output: an llguidance grammar (kvfence/engine/grammar.py); "" for none
 
     @property
     def adjusts_logits(self) -> bool:
@@ -86,6 +88,10 @@ class SamplingParams:
             raise InvalidSamplingParams(
                 "min_tokens",
                 f"min_tokens must be in [0, max_tokens ({self.max_tokens})], got {self.min_tokens}",
+            )
+        if self.grammar and self.ignore_eos:
+            raise InvalidSamplingParams(
+                "ignore_eos", "ignore_eos cannot be combined with a structured output"
             )
         if len(self.logit_bias) > 300 or any(not -100.0 <= b <= 100.0 or t < 0 for t, b in self.logit_bias):
             raise InvalidSamplingParams(
@@ -158,6 +164,7 @@ class Request:
     page_keys: list[bytes] = field(default_factory=list)  # hash chain over the full pages of token_ids
     num_sealed_pages: int = 0  # pages [0, n) of the block table are sealed (shared or own), or passed over
     num_cached_tokens: int = 0  # tokens whose K/V came from the cache when the prefill last started
+    grammar: Any = None  # its GrammarState (kvfence/engine/grammar.py) when params.grammar is set
 
     def __post_init__(self) -> None:
         if not self.token_ids:

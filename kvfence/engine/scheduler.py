@@ -188,6 +188,7 @@ class Scheduler:
             sample = end == r.num_tokens
             history = tuple(r.token_ids) if sample and p.needs_history else ()
             banned = self._banned(p) if sample and r.num_output_tokens < p.min_tokens else ()
+            allowed = r.grammar.allowed() if sample and r.grammar is not None else None
             rows.append(
                 PlanRow(
                     request_id=r.request_id,
@@ -200,6 +201,7 @@ class Scheduler:
                     num_generated=r.num_output_tokens,
                     history=history,
                     banned=banned,
+                    allowed=allowed,
                 )
             )
         return Plan(rows=tuple(rows), step=step)
@@ -219,6 +221,8 @@ class Scheduler:
             if token is None:
                 continue  # a prefill chunk that did not reach the end of the prompt
             request.token_ids.append(token)
+            if request.grammar is not None:
+                request.grammar.consume(token)
             if request.prefill_only:
                 self._hand_off(request)
                 continue
@@ -252,6 +256,8 @@ class Scheduler:
             return "stop"
         if request.num_output_tokens >= params.max_tokens or request.num_tokens >= self.context_length:
             return "length"
+        if request.grammar is not None and request.grammar.done:
+            return "stop"  # the structured output is complete (its grammar allows nothing more)
         return None
 
     def finish(

@@ -54,6 +54,7 @@ class CachedPage:
     @property
     def tenant(self) -> str:
         return self.scope.split("\x00", 1)[0]
+
     tokens: tuple[int, ...]
     page: PageId
     lease: LeaseId  # the shared lease: the page's owner and tag while it is sealed

@@ -12,6 +12,7 @@ request produces the same tokens whether it runs alone, in a batch, or after a p
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -32,6 +33,7 @@ class Sampler:
         num_generated: Sequence[int],
         histories: Sequence[Sequence[int]] | None = None,
         banned: Sequence[Sequence[int]] | None = None,
+        allowed: Sequence[Any] | None = None,
     ) -> tuple[Tensor, Tensor | None]:
         """logits [N, V] float32 -> (token ids [N], log-probabilities [N, V] of the raw distribution, computed
         only when some row asked for logprobs). `histories[i]`: row i's prompt + output tokens (rows with
@@ -39,11 +41,16 @@ class Sampler:
         want = any(p.logprobs is not None for p in params)
         logprobs = torch.log_softmax(logits, dim=-1) if want else None
         adjusted = [i for i, p in enumerate(params) if p.adjusts_logits or (banned is not None and banned[i])]
-        if adjusted:
+        masked = [i for i in range(len(params)) if allowed is not None and allowed[i] is not None]
+        if adjusted or masked:
             logits = logits.clone()
             for i in adjusted:
                 history = histories[i] if histories is not None else ()
                 _adjust(logits[i], params[i], history, num_generated[i], banned[i] if banned else ())
+            for i in masked:  # structured output: only what the grammar allows next
+                assert allowed is not None
+                mask = torch.from_numpy(allowed[i][: logits.shape[1]])
+                logits[i].masked_fill_(~mask, float("-inf"))
         tokens = logits.argmax(dim=-1)
         random_rows = [i for i, p in enumerate(params) if not p.greedy]
         if random_rows:

@@ -71,6 +71,10 @@ class Tokenizer:
 
     # -- facts -----------------------------------------------------------------------------------------------
 
+    def to_json(self) -> str:
+        """The tokenizer in the tokenizers library's JSON (what llguidance builds its view from)."""
+        return str(self._hf.to_str())
+
     @property
     def vocab_size(self) -> int:
         return int(self._hf.get_vocab_size(with_added_tokens=True))

@@ -21,6 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from kvfence.engine.admission import Limits
 from kvfence.engine.errors import InvalidSamplingParams
+from kvfence.engine.grammar import grammar_text
 from kvfence.engine.request import SamplingParams
 from kvfence.server.errors import OpenAIError, invalid
 
@@ -107,6 +108,40 @@ class _Common(_Strict):
     min_tokens: int = Field(0, ge=0, lt=_INT64)
     stop_token_ids: list[int] = Field(default_factory=list, max_length=MAX_STOP_TOKEN_IDS)
     cache_salt: str = Field("", max_length=256)  # a sub-scope of the caller's prefix cache (never wider)
+    # structured outputs: OpenAI's response_format, vLLM's structured_outputs (json, regex, choice, grammar)
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+
+    def grammar(self) -> tuple[str | None, str]:
+        """(the parameter that asked for it, the llguidance grammar) of a structured output, (None, "") for
+        free text. Raises a 400 naming the parameter for a malformed request or a grammar that cannot be built;
+        whether it compiles against the tokenizer is checked next (`Grammars.check`), still before any page."""
+        rf, so = self.response_format, self.structured_outputs
+        if rf is not None and rf.get("type") != "text" and so is not None:
+            raise invalid("structured_outputs", "give response_format or structured_outputs, not both")
+        try:
+            if rf is not None:
+                return "response_format", _response_format_grammar(rf)
+            if so is not None:
+                extra = set(so) - {"json", "regex", "choice", "grammar"}
+                given = [k for k in ("json", "regex", "choice", "grammar") if so.get(k) is not None]
+                if extra or len(given) != 1:
+                    raise ValueError("structured_outputs takes exactly one of json, regex, choice, grammar")
+                kind = {"json": "json_schema", "grammar": "lark"}.get(given[0], given[0])
+                spec = so[given[0]]
+                if kind == "json_schema" and isinstance(spec, str):
+                    spec = json.loads(spec)
+                if kind == "choice" and (not isinstance(spec, list) or not spec or
+                                         not all(isinstance(c, str) and c for c in spec)):  # fmt: skip
+                    raise ValueError(
+                        "structured_outputs.choice must be a non-empty list of non-empty strings"
+                    )
+                if kind in ("regex", "lark") and not isinstance(spec, str):
+                    raise ValueError(f"structured_outputs.{given[0]} must be a string")
+                return "structured_outputs", grammar_text(kind, spec)
+        except ValueError as exc:  # json.JSONDecodeError is one
+            raise invalid("response_format" if rf is not None else "structured_outputs", str(exc)) from exc
+        return None, ""
 
     @field_validator("cache_salt")
     @classmethod
@@ -210,6 +245,28 @@ class ChatCompletionRequest(_Common):
         return [{"role": m.role, "content": m.text()} for m in self.messages]
 
 
+def _response_format_grammar(rf: dict[str, Any]) -> str:
+    """OpenAI's response_format: text (no grammar), json_object (any JSON object), json_schema (its schema)."""
+    kind = rf.get("type")
+    if kind == "text" and set(rf) == {"type"}:
+        return ""
+    if kind == "json_object" and set(rf) == {"type"}:
+        return grammar_text("json_schema", {"type": "object"})
+    if kind == "json_schema" and set(rf) == {"type", "json_schema"} and isinstance(rf["json_schema"], dict):
+        spec = rf["json_schema"]
+        if set(spec) - {"name", "schema", "strict", "description"}:
+            raise ValueError(
+                f"response_format.json_schema takes name, schema, strict and description, got {sorted(spec)}"
+            )
+        if not isinstance(spec.get("name"), str) or not isinstance(spec.get("schema"), dict):
+            raise ValueError("response_format.json_schema needs a name (string) and a schema (object)")
+        return grammar_text("json_schema", spec["schema"])
+    raise ValueError(
+        'response_format must be {"type": "text"}, {"type": "json_object"} or '
+        '{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}}'
+    )
+
+
 class TokenizeRequest(_Strict):
     """POST /tokenize (vLLM's shape): a prompt, or chat messages rendered with the model's template."""
 
@@ -283,7 +340,11 @@ def capacity(limits: Limits) -> int:
 
 
 def sampling_params(
-    req: CompletionRequest | ChatCompletionRequest, num_prompt_tokens: int, limits: Limits, choice: int
+    req: CompletionRequest | ChatCompletionRequest,
+    num_prompt_tokens: int,
+    limits: Limits,
+    choice: int,
+    grammar: str = "",
 ) -> SamplingParams:
     """Engine parameters for one choice. With a seed, choice i samples with seed + i so that n choices
     differ yet each is reproducible."""
@@ -313,6 +374,7 @@ def sampling_params(
             min_p=req.min_p,
             min_tokens=req.min_tokens,
             cache_salt=req.cache_salt,
+            grammar=grammar,
         )
     except InvalidSamplingParams as e:
         raise invalid(e.param, str(e)) from e

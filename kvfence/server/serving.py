@@ -21,6 +21,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from kvfence.engine.errors import AdmissionError, EngineUnavailable
+from kvfence.engine.grammar import Grammars
 from kvfence.engine.output import RequestOutput
 from kvfence.engine.preflight import PreflightReport
 from kvfence.model.tokenizer import ChatTemplateError
@@ -104,6 +105,9 @@ class Serving:
         self.engine, self.settings, self.metrics = engine, settings, metrics
         self.tokenizer = engine.engine.tokenizer
         self.vocab_size = engine.engine.vocab_size
+        self.grammars = Grammars(
+            self.tokenizer, self.vocab_size
+        )  # checks structured outputs before admission
 
     def token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
@@ -205,8 +209,13 @@ class Serving:
         limits = self.engine.engine.limits
         if param := body.token_ids_outside(self.vocab_size):
             raise invalid(param, f"{param} names token ids outside the vocabulary (size {self.vocab_size})")
+        grammar_param, grammar = body.grammar()
+        if grammar and (error := self.grammars.check(grammar)) is not None:
+            raise invalid(grammar_param, f"the structured output cannot be built for this model: {error}")
         expanded = [ids for ids in prompts for _ in range(body.n)]
-        params = [sampling_params(body, len(ids), limits, j) for ids in prompts for j in range(body.n)]
+        params = [
+            sampling_params(body, len(ids), limits, j, grammar) for ids in prompts for j in range(body.n)
+        ]
         input_param = "messages" if isinstance(body, ChatCompletionRequest) else "prompt"
         try:
             submission = self.engine.submit(expanded, params, rid, tenant, user=body.user)
