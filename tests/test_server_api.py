@@ -113,7 +113,10 @@ def test_streamed_chat_reassembles_to_the_non_streamed_text(client):
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == full.choices[0].message.content
     assert chunks[-2].choices[0].finish_reason == "length"
-    assert chunks[-1].usage == full.usage
+    counts = lambda u: (u.prompt_tokens, u.completion_tokens, u.total_tokens)  # noqa: E731
+    assert chunks[-1].usage is not None and counts(chunks[-1].usage) == counts(
+        full.usage
+    )  # cached_tokens may differ
 
 
 def test_raw_stream_is_server_sent_events_ending_in_done(server):
