@@ -139,7 +139,7 @@ BAD_PARAMS = [
     (CHAT, {"messages": [{"role": None, "content": "x"}]}, "messages[0].role"),
     (CHAT, {"messages": []}, "messages"),
     (CHAT, {"messages": "hi"}, "messages"),
-    (CHAT, {"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role"),
+    (CHAT, {"messages": [{"role": "function", "content": "x"}]}, "messages[0].role"),
     (CHAT, {"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
     (CHAT, {"top_logprobs": 2}, "top_logprobs"),
     (CHAT, {"max_completion_tokens": 0}, "max_completion_tokens"),

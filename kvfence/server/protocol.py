@@ -24,6 +24,8 @@ from kvfence.engine.errors import InvalidSamplingParams
 from kvfence.engine.grammar import grammar_text
 from kvfence.engine.request import SamplingParams
 from kvfence.server.errors import OpenAIError, invalid
+from kvfence.server.tools import EMPTY_PARAMETERS, Function, ToolFormat
+from kvfence.server.tools import grammar as tools_grammar
 
 MAX_N = 16
 MAX_PROMPTS = 64  # prompts in one completions request
@@ -48,6 +50,7 @@ M = TypeVar("M", bound=BaseModel)
 IGNORED_FIELDS = frozenset({"metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key"})
 MAX_STOP_TOKEN_IDS = 64
 MAX_LOGIT_BIAS = 300
+MAX_TOOLS = 128  # OpenAI's limit on tools per request
 
 
 class _Strict(BaseModel):
@@ -73,15 +76,81 @@ class TextPart(_Strict):
     text: str
 
 
+class FunctionCall(_Strict):
+    name: str = Field(max_length=64)
+    arguments: str = Field(max_length=1 << 20)  # a JSON object, as text (OpenAI's shape)
+
+
+class ToolCall(_Strict):
+    id: str = Field(min_length=1, max_length=128)
+    type: Literal["function"]
+    function: FunctionCall
+
+
 class ChatMessage(_Strict):
-    role: Literal["system", "user", "assistant"]
+    """One message. `developer` reads as `system`; an assistant turn may carry `tool_calls` (then its content
+    may be empty); a `tool` message answers one of them by `tool_call_id`."""
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
-    name: str | None = None
+    name: str | None = Field(None, max_length=256)
+    tool_calls: list[ToolCall] | None = Field(None, min_length=1, max_length=MAX_TOOLS)
+    tool_call_id: str | None = Field(None, min_length=1, max_length=128)
+
+    @model_validator(mode="after")
+    def _check_role_fields(self) -> ChatMessage:
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError("only assistant messages carry tool_calls")
+        if (self.tool_call_id is not None) != (self.role == "tool"):
+            raise ValueError("a tool message needs a tool_call_id, and only a tool message has one")
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError(f"a {self.role} message needs content")
+        for call in self.tool_calls or ():
+            try:
+                args = json.loads(call.function.arguments)
+            except ValueError as exc:
+                raise ValueError(f"tool_calls arguments must be a JSON object: {exc}") from exc
+            if not isinstance(args, dict):
+                raise ValueError("tool_calls arguments must be a JSON object")
+        return self
 
     def text(self) -> str:
         if isinstance(self.content, list):
             return "".join(part.text for part in self.content)
         return self.content or ""
+
+    def as_dict(self) -> dict[str, Any]:
+        """The message as the chat template sees it, before tools.render_messages."""
+        out: dict[str, Any] = {"role": self.role, "content": self.text()}
+        if self.tool_calls:
+            out["tool_calls"] = [
+                {"id": c.id, "name": c.function.name, "arguments": c.function.arguments}
+                for c in self.tool_calls
+            ]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        return out
+
+
+class FunctionDefinition(_Strict):
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = Field(None, max_length=1 << 16)
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None  # the arguments always follow `parameters` (the grammar enforces them)
+
+
+class ToolDefinition(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 TokenIds = list[Annotated[int, Field(ge=0, lt=_INT64)]]
@@ -241,8 +310,61 @@ class ChatCompletionRequest(_Common):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
 
-    def chat_messages(self) -> list[dict[str, str]]:
-        return [{"role": m.role, "content": m.text()} for m in self.messages]
+    tools: list[ToolDefinition] | None = Field(None, min_length=1, max_length=MAX_TOOLS)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+
+    @model_validator(mode="after")
+    def _check_tools(self) -> ChatCompletionRequest:
+        names = [t.function.name for t in self.tools or ()]
+        if len(set(names)) != len(names):
+            raise OpenAIError(400, "tools: function names must be unique", param="tools")
+        choice = self.tool_choice
+        if choice is not None and choice != "none" and not self.tools:
+            raise invalid("tool_choice", "tool_choice needs tools")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise invalid("tool_choice", f"tool_choice names {choice.function.name!r}, which is not in tools")
+        if self.calls_tools and (self.response_format or {}).get("type", "text") != "text":
+            raise invalid("response_format", "response_format with tools needs tool_choice none")
+        if self.calls_tools and self.structured_outputs is not None:
+            raise invalid("structured_outputs", "structured_outputs with tools needs tool_choice none")
+        answered = {c.id for m in self.messages for c in m.tool_calls or ()}
+        for i, m in enumerate(self.messages):
+            if m.tool_call_id is not None and m.tool_call_id not in answered:
+                raise invalid(
+                    f"messages[{i}].tool_call_id",
+                    f"tool_call_id {m.tool_call_id!r} answers no tool call of an earlier assistant message",
+                )
+        return self
+
+    @property
+    def calls_tools(self) -> bool:
+        """Tools are offered and the model may (auto) or must (required, named) call them."""
+        return bool(self.tools) and self.tool_choice != "none"
+
+    def functions(self) -> list[Function]:
+        """The tools offered to the model (none for tool_choice none)."""
+        if not self.calls_tools:
+            return []
+        return [
+            Function(t.function.name, t.function.description, t.function.parameters or EMPTY_PARAMETERS)
+            for t in self.tools or ()
+        ]
+
+    def tool_grammar(self, fmt: ToolFormat) -> str:
+        """The grammar that makes the calls parse ("" when no tools are called)."""
+        if not self.calls_tools:
+            return ""
+        functions, choice = self.functions(), self.tool_choice
+        if isinstance(choice, NamedToolChoice):
+            named = [f for f in functions if f.name == choice.function.name]
+            return tools_grammar(fmt, named, only_calls=True, parallel=False)
+        return tools_grammar(
+            fmt, functions, only_calls=choice == "required", parallel=self.parallel_tool_calls
+        )
+
+    def chat_messages(self) -> list[dict[str, Any]]:
+        return [m.as_dict() for m in self.messages]
 
 
 def _response_format_grammar(rf: dict[str, Any]) -> str:
@@ -320,6 +442,11 @@ def _validation_error(exc: ValidationError) -> OpenAIError:
             f"unsupported parameter: '{param}': kvfence does not implement it, and ignoring it would change "
             'what you asked for (the supported fields: docs/server.md, "Request fields")'
         )
+        if param and param.startswith("guided_"):
+            unsupported = (
+                f"unsupported parameter: '{param}': vLLM's older guided_* fields are not accepted; ask with "
+                "structured_outputs (json, regex, choice, grammar) or response_format"
+            )
         return invalid(param, unsupported, code="unsupported_parameter")
     top = str(loc[0]) if loc else ""
     message = _FRIENDLY.get(top) if top in _FRIENDLY and len(loc) <= 2 else None

@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvfence.engine.output import LogprobEntry, RequestOutput
+from kvfence.server import tools
+from kvfence.server.tools import ToolFormat
 
 TokenText = Callable[[int], str]  # token id -> its text, special tokens included
 
@@ -121,8 +123,16 @@ def completion_logprobs(
 
 
 def chat_body(
-    rid: str, created: int, model: str, choices: list[Choice], n: int, token_text: TokenText, want_lp: bool
+    rid: str,
+    created: int,
+    model: str,
+    choices: list[Choice],
+    n: int,
+    token_text: TokenText,
+    want_lp: bool,
+    tool_format: ToolFormat | None = None,
 ) -> dict[str, Any]:
+    """`tool_format`: the request offered tools, so each choice's text is parsed into content and tool calls."""
     return {
         "id": rid,
         "object": "chat.completion",
@@ -131,13 +141,27 @@ def chat_body(
         "choices": [
             {
                 "index": i,
-                "message": {"role": "assistant", "content": c.text},
+                **chat_message(c, tool_format),
                 "logprobs": chat_logprobs(c.token_ids, c.logprobs, token_text) if want_lp else None,
-                "finish_reason": c.finish_reason,
             }
             for i, c in enumerate(choices)
         ],
         "usage": usage(choices, n),
+    }
+
+
+def chat_message(c: Choice, tool_format: ToolFormat | None) -> dict[str, Any]:
+    """The message and finish reason of one choice: calls that parse become `tool_calls` (finish reason
+    `tool_calls`); anything else, a call cut off by max_tokens included, stays text."""
+    if tool_format is None:
+        return {"message": {"role": "assistant", "content": c.text}, "finish_reason": c.finish_reason}
+    content, calls = tools.parse(c.text, tool_format)
+    if not calls:
+        return {"message": {"role": "assistant", "content": c.text}, "finish_reason": c.finish_reason}
+    message = {"role": "assistant", "content": content, "tool_calls": [call.as_openai() for call in calls]}
+    return {
+        "message": message,
+        "finish_reason": "tool_calls" if c.finish_reason == "stop" else c.finish_reason,
     }
 
 

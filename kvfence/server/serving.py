@@ -45,6 +45,7 @@ from kvfence.server.protocol import (
     check_chat_options,
     sampling_params,
 )
+from kvfence.server.tools import Function, ToolFormat, ToolStream, render_messages
 
 Body = CompletionRequest | ChatCompletionRequest
 log = logging.getLogger("kvfence.server")
@@ -105,9 +106,8 @@ class Serving:
         self.engine, self.settings, self.metrics = engine, settings, metrics
         self.tokenizer = engine.engine.tokenizer
         self.vocab_size = engine.engine.vocab_size
-        self.grammars = Grammars(
-            self.tokenizer, self.vocab_size
-        )  # checks structured outputs before admission
+        self.grammars = Grammars(self.tokenizer, self.vocab_size)  # checks grammars before admission
+        self.tool_format = ToolFormat.for_template(self.tokenizer.chat_template)
 
     def token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
@@ -134,13 +134,14 @@ class Serving:
         with self._rejections(rid, tenant, body.user):
             self.check_model(body.model)
             check_chat_options(body)
-            prompt = await asyncio.to_thread(self._render_chat, body.chat_messages())
+            prompt = await asyncio.to_thread(self._render_chat, body.chat_messages(), body.functions())
             job = self._submit(body, [prompt], rid, tenant)
         if body.stream:
             return EngineStream(error_terminated(self._stream_chat(job)), job.submission.abort)
         choices = await self._collect(job, http)
+        fmt = self.tool_format if body.calls_tools else None
         return JSONResponse(
-            R.chat_body(rid, job.created, body.model, choices, body.n, self.token_text, body.logprobs)
+            R.chat_body(rid, job.created, body.model, choices, body.n, self.token_text, body.logprobs, fmt)
         )
 
     async def tokenize(self, body: TokenizeRequest, http: HTTPRequest, tenant: str) -> Response:
@@ -148,16 +149,8 @@ class Serving:
         longest sequence one request may span. Nothing is queued or allocated."""
         self.check_model(body.model)
         if body.messages is not None:
-            messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-            try:
-                text = await asyncio.to_thread(
-                    self.tokenizer.apply_chat_template,
-                    messages,
-                    add_generation_prompt=body.add_generation_prompt,
-                )
-            except ChatTemplateError as e:
-                raise invalid("messages", str(e)) from e
-            ids = await asyncio.to_thread(self.tokenizer.encode, text, add_special_tokens=False)
+            messages = [m.as_dict() for m in body.messages]
+            ids = await asyncio.to_thread(self._render_chat, messages, [], body.add_generation_prompt)
         else:
             assert body.prompt is not None
             ids = await asyncio.to_thread(
@@ -197,10 +190,15 @@ class Serving:
             out.append(ids)
         return out
 
-    def _render_chat(self, messages: list[dict[str, str]]) -> list[int]:
-        """Length is measured after the chat template: the engine sees exactly these tokens."""
+    def _render_chat(
+        self, messages: list[dict[str, Any]], functions: list[Function], add_generation_prompt: bool = True
+    ) -> list[int]:
+        """Length is measured after the chat template: the engine sees exactly these tokens (tools included)."""
+        rendered, extra = render_messages(messages, functions, self.tool_format)
         try:
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+            text = self.tokenizer.apply_chat_template(
+                rendered, add_generation_prompt=add_generation_prompt, **extra
+            )
         except ChatTemplateError as e:
             raise invalid("messages", str(e)) from e
         return self.tokenizer.encode(text, add_special_tokens=False)
@@ -210,6 +208,8 @@ class Serving:
         if param := body.token_ids_outside(self.vocab_size):
             raise invalid(param, f"{param} names token ids outside the vocabulary (size {self.vocab_size})")
         grammar_param, grammar = body.grammar()
+        if isinstance(body, ChatCompletionRequest) and body.calls_tools:
+            grammar_param, grammar = "tools", body.tool_grammar(self.tool_format)
         if grammar and (error := self.grammars.check(grammar)) is not None:
             raise invalid(grammar_param, f"the structured output cannot be built for this model: {error}")
         expanded = [ids for ids in prompts for _ in range(body.n)]
@@ -283,16 +283,31 @@ class Serving:
                 R.chat_chunk(job.rid, job.created, body.model, index, delta, finish, lp, body.include_usage)
             )
 
+        # with tools, each choice's text goes through a parser that sends content and calls as deltas
+        parsers = [ToolStream(self.tool_format) for _ in choices] if body.calls_tools else None
         for index in range(job.num_choices):
             yield chunk(index, {"role": "assistant", "content": ""}, None)
         async for index, out in self._checked(job, choices):
             lp = None
             if body.logprobs and out.logprobs:
                 lp = R.chat_logprobs(list(out.new_token_ids), list(out.logprobs), self.token_text)
-            if out.new_text or lp:
-                yield chunk(index, {"content": out.new_text}, None, lp)
+            if parsers is None:
+                if out.new_text or lp:
+                    yield chunk(index, {"content": out.new_text}, None, lp)
+            else:
+                deltas = (
+                    parsers[index].feed(choices[index].text, out.finished)
+                    if out.new_text or out.finished
+                    else []
+                )
+                for delta in deltas or ([{}] if lp else []):
+                    yield chunk(index, delta, None, lp)
+                    lp = None
             if out.finished:
-                yield chunk(index, {}, out.finish_reason)
+                finish = out.finish_reason
+                if parsers is not None and parsers[index].called and finish == "stop":
+                    finish = "tool_calls"
+                yield chunk(index, {}, finish)
         async for tail in self._stream_end(job, choices, "chat.completion.chunk"):
             yield tail
 
