@@ -178,7 +178,10 @@ chat = st.fixed_dictionaries(
         "model": st.just(MODEL),
         "messages": st.lists(
             st.fixed_dictionaries(
-                {"role": st.sampled_from(["system", "user", "assistant"]), "content": st.text(max_size=30)}
+                {
+                    "role": st.sampled_from(["system", "developer", "user", "assistant", "tool"]),
+                    "content": st.text(max_size=30),
+                }
             ),
             min_size=1,
             max_size=3,
@@ -193,7 +196,8 @@ chat = st.fixed_dictionaries(
 )
 # beside the known fields, ones kvfence refuses (400 unsupported_parameter) and ones it accepts and ignores
 NAMES = sorted({"model", "prompt", "messages", "logprobs", "top_logprobs", "max_completion_tokens", *GOOD,
-                "tools", "response_format", "best_of", "no_such_field", "metadata", "store"})  # fmt: skip
+                "tools", "tool_choice", "parallel_tool_calls", "response_format", "structured_outputs", "best_of",
+                "no_such_field", "metadata", "store"})  # fmt: skip
 mutations = st.lists(st.tuples(st.sampled_from(NAMES), st.none() | junk, st.booleans()), max_size=3)
 
 

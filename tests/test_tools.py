@@ -13,6 +13,8 @@ from typing import Any
 import httpx
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from openai import OpenAI
 
 from kvfence.engine.grammar import Grammars
@@ -374,3 +376,55 @@ def test_pd_tool_round_trip_streamed_and_not(tools_dir, tmp_path):
             **{**kw, "messages": history, "max_tokens": 8}, tool_choice="none", temperature=0
         )
         assert answer.choices[0].finish_reason in ("stop", "length")
+
+
+# ---- fuzzing: tools fields well formed or not, the pool whole after it ---------------------------------
+
+_schema = st.sampled_from([WEATHER, ADD, {}, {"type": "object"}, {"type": "nope"}, {"properties": 5}])
+_tool = st.fixed_dictionaries(
+    {"type": st.sampled_from(["function", "function", "custom"]),
+     "function": st.fixed_dictionaries({"name": st.sampled_from(["get_weather", "add", "f", "bad name", ""])},
+                                       optional={"parameters": _schema, "description": st.text(max_size=12),
+                                                 "strict": st.booleans()})})  # fmt: skip
+_choice = st.sampled_from(["none", "auto", "required", "any", {"type": "function", "function": {"name": "add"}},
+                           {"type": "function", "function": {"name": "f"}}, {"type": "function"}])  # fmt: skip
+_message = st.fixed_dictionaries(
+    {"role": st.sampled_from(["system", "developer", "user", "assistant", "tool"])},
+    optional={"content": st.none() | st.text(max_size=20), "tool_call_id": st.sampled_from(["call_1", "x"]),
+              "tool_calls": st.lists(st.just(_CALL), max_size=2)},
+)  # fmt: skip
+
+
+@settings(
+    max_examples=60,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
+)
+@given(
+    tools=st.none() | st.lists(_tool, max_size=3),
+    tool_choice=st.none() | _choice,
+    parallel=st.none() | st.booleans(),
+    history=st.lists(_message, max_size=3),
+    stream=st.booleans(),
+)
+def test_fuzzed_tool_requests_get_an_answer_and_leak_nothing(
+    server, tools, tool_choice, parallel, history, stream
+):
+    body = {"model": MODEL, "messages": [*ASK, *history], "max_tokens": 24, "temperature": 1.0, "seed": 0,
+            "stream": stream, "tools": tools, "tool_choice": tool_choice, "parallel_tool_calls": parallel}  # fmt: skip
+    with httpx.stream("POST", f"{server.base_url}/chat/completions", json=body, timeout=60) as r:
+        raw = r.read()
+    assert r.status_code in (200, 400), raw
+    if r.status_code == 400:
+        assert set(json.loads(raw)["error"]) == {"message", "type", "param", "code"}
+    elif stream:
+        assert raw.decode().rstrip().endswith("data: [DONE]")
+    else:
+        for call in json.loads(raw)["choices"][0]["message"].get("tool_calls") or ():
+            json.loads(call["function"]["arguments"])
+
+
+def test_after_the_tools_fuzz_the_pool_is_whole(server):
+    server.wait_idle()
+    server.assert_pool_clean()
