@@ -14,6 +14,11 @@ a Poisson process (--rate requests/s, optionally capped by --concurrency).
 Workloads (the serving issue's): W1 = 32 prompts of ~196 tokens (±10%), 64 new tokens, 8 in flight;
 W2 = 8 prompts of exactly 200 tokens, 64 new tokens, one at a time (batch-1 TTFT and decode ms/token).
 
+--structured json_schema asks every request for JSON under a built-in schema (`response_format` json_schema,
+OpenAI's shape, which vLLM takes on completions too) that cannot close within --output-len tokens, so each request
+still generates exactly --output-len tokens, now under a token mask each step: W1 with it against W1 without is
+the cost of structured outputs. (ignore_eos is left out then: the grammar decides when the output may end.)
+
 Reports output and total tokens/s, TTFT p50/p90/p99, inter-token latency p50/p99, time per output token after
 the first (TPOT), failures; --json writes the same as one JSON object.
 """
@@ -44,6 +49,33 @@ WORKLOADS: dict[str, dict[str, Any]] = {
     "W2": dict(num_requests=8, prompt_len=200, prompt_len_spread=0.0, output_len=64, concurrency=1),
 }
 WORD = re.compile(r"^ [a-z]{3,9}$")
+# --structured json_schema: nested objects, bounded integers and strings, and far more items than --output-len
+# tokens can write, so the grammar never completes and every request runs to its length
+LOG_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "log": {
+            "type": "array",
+            "minItems": 512,
+            "items": {
+                "type": "object",
+                "properties": {
+                    "step": {"type": "integer", "minimum": 0, "maximum": 9999},
+                    "note": {"type": "string", "maxLength": 24},
+                },
+                "required": ["step", "note"],
+                "additionalProperties": False,
+            },
+        }
+    },
+    "required": ["log"],
+    "additionalProperties": False,
+}
+STRUCTURED: dict[str, dict[str, Any]] = {
+    "none": {"ignore_eos": True},
+    "json_schema": {"response_format": {"type": "json_schema",
+                                        "json_schema": {"name": "log", "schema": LOG_SCHEMA, "strict": True}}},
+}  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,7 +165,12 @@ async def server_token_count(client: httpx.AsyncClient, model: str, text: str) -
 
 
 async def send(
-    client: httpx.AsyncClient, model: str, prompt: str, num_tokens: int, output_len: int
+    client: httpx.AsyncClient,
+    model: str,
+    prompt: str,
+    num_tokens: int,
+    output_len: int,
+    structured: str = "none",
 ) -> RequestResult:
     result = RequestResult(prompt_tokens=num_tokens)
     body = {
@@ -141,9 +178,9 @@ async def send(
         "prompt": prompt,
         "max_tokens": output_len,
         "temperature": 0.0,
-        "ignore_eos": True,
         "stream": True,
         "stream_options": {"include_usage": True},
+        **STRUCTURED[structured],
     }
     start = last = time.perf_counter()
     chunks, done = 0, False
@@ -198,8 +235,8 @@ async def run(
         model = args.model or await served_model(client)
         counts = await check_lengths(client, model, prompts[:4])
         for prompt, n in warmup:  # not timed: first requests compile and allocate; other texts, no cache hits
-            await send(client, model, prompt, n, w.output_len)
-        results = await drive(client, model, w, prompts, not args.quiet)
+            await send(client, model, prompt, n, w.output_len, args.structured)
+        results = await drive(client, model, w, prompts, not args.quiet, args.structured)
     return summarize(w, results, model, counts, args)
 
 
@@ -220,7 +257,12 @@ async def check_lengths(
 
 
 async def drive(
-    client: httpx.AsyncClient, model: str, w: Workload, prompts: list[tuple[str, int]], progress: bool
+    client: httpx.AsyncClient,
+    model: str,
+    w: Workload,
+    prompts: list[tuple[str, int]],
+    progress: bool,
+    structured: str = "none",
 ) -> tuple[list[RequestResult], float]:
     rng = random.Random(w.seed + 1)
     slots = asyncio.Semaphore(w.concurrency or len(prompts))
@@ -228,7 +270,7 @@ async def drive(
 
     async def one(prompt: str, n: int) -> RequestResult:
         async with slots:
-            result = await send(client, model, prompt, n, w.output_len)
+            result = await send(client, model, prompt, n, w.output_len, structured)
         bar.update(1)
         return result
 
@@ -283,6 +325,7 @@ def summarize(
         "base_url": args.base_url,
         "model": model,
         "workload": {k: v for k, v in asdict(w).items()},
+        "structured": args.structured,
         "num_ok": len(ok),
         "num_failed": len(results) - len(ok),
         "errors": sorted({r.error for r in results if r.error})[:5],
@@ -328,6 +371,8 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[argparse.Namespace, W
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--warmup", type=int, default=2, help="untimed requests first (one at a time)")
     ap.add_argument("--timeout", type=float, default=600.0)
+    ap.add_argument("--structured", choices=sorted(STRUCTURED), default="none",
+                    help="json_schema: every request under a JSON schema's token mask (see above)")  # fmt: skip
     ap.add_argument("--label", default="")
     ap.add_argument("--json", dest="json_path", default=None, help="write the summary here ('-': stdout)")
     ap.add_argument("--quiet", action="store_true", help="no progress bar")

@@ -224,3 +224,24 @@ def test_pd_structured_output_survives_the_hand_off(pd_server, tiny_dir):
         )  # fmt: skip
         assert json.loads(got.choices[0].message.content) in ({"go": True}, {"go": False})
         assert got.choices[0].finish_reason == "stop"
+
+
+def test_pd_echo_scores_the_prompt_on_the_prefill_worker(pd_server, tiny_model, tiny_dir):
+    """Prompt logprobs are computed where the prompt runs (the prefill worker) and reach the client with the
+    first token, through the control plane: the same scores as colocated."""
+    ids = tiny_model.tokenizer.encode("The quick brown fox jumps over the lazy dog.")
+    got = pd_server.completions.create(
+        model=tiny_dir.name, prompt=ids, max_tokens=3, echo=True, logprobs=2, temperature=0
+    )
+    engine = make_engine(tiny_model)
+    engine.add_request(ids, SamplingParams(max_tokens=3, temperature=0, prompt_logprobs=2, logprobs=2), "r")
+    outs = []
+    while engine.has_unfinished():
+        outs += engine.step()
+    want = [None] + [e[0] for e in next(o for o in outs if o.prompt_logprobs).prompt_logprobs[1:]]
+    want += [e[0] for o in outs for e in o.logprobs]
+    lp = got.choices[0].logprobs
+    assert lp.token_logprobs[0] is None and len(lp.token_logprobs) == len(want)
+    assert all(abs(a - b) < 1e-4 for a, b in zip(lp.token_logprobs[1:], want[1:], strict=True))
+    final = next(o for o in outs if o.finished)
+    assert got.choices[0].text == tiny_model.tokenizer.decode(ids, skip_special_tokens=False) + final.text

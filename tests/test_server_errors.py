@@ -122,7 +122,7 @@ BAD_PARAMS = [
     (C, {"prompt": ["a"] * 64, "n": 3}, "n"),
     (C, {"logprobs": 50}, "logprobs"),
     (C, {"seed": 2**70}, "seed"),
-    (C, {"echo": True}, "echo"),
+    (C, {"max_tokens": 0}, "max_tokens"),
     (C, {"frequency_penalty": 2.5}, "frequency_penalty"),
     (C, {"presence_penalty": -3}, "presence_penalty"),
     (C, {"repetition_penalty": 0}, "repetition_penalty"),

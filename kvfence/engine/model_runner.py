@@ -8,6 +8,7 @@ wrote, so the engine stamps tags from the write path itself rather than from the
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -18,6 +19,30 @@ from kvfence.model.config import ModelConfig
 from kvfence.model.llama import AttentionMetadata, LlamaForCausalLM, PrefillSeq
 from kvfence.model.paged_kv import PagedKV
 from kvfence.model.sampler import Sampler
+
+LogprobEntry = tuple[float, tuple[tuple[int, float], ...]]
+
+
+@dataclass(frozen=True, slots=True)
+class _Head:
+    """Which token positions pay for the LM head: the sampled ones and, for prompt logprobs, the scored prompt
+    positions, ascending (so that a step that needs every position is the model's no-index fast path).
+    `sample_at` / `prompt_at`: where the sampled / scored rows are among the head's rows (None: all of them /
+    none)."""
+
+    idx: torch.Tensor
+    sample_at: torch.Tensor | None
+    prompt_at: torch.Tensor | None
+
+    @staticmethod
+    def of(sample_idx: list[int], prompt_idx: list[int], dev: str) -> _Head:
+        if not prompt_idx:
+            return _Head(torch.tensor(sample_idx, dtype=torch.long, device=dev), None, None)
+        both = sorted(set(sample_idx) | set(prompt_idx))
+        row = {flat: i for i, flat in enumerate(both)}
+        sample_at = torch.tensor([row[x] for x in sample_idx], dtype=torch.long, device=dev)
+        prompt_at = torch.tensor([row[x] for x in prompt_idx], dtype=torch.long, device=dev)
+        return _Head(torch.tensor(both, dtype=torch.long, device=dev), sample_at, prompt_at)
 
 
 class ModelRunner:
@@ -51,15 +76,18 @@ class ModelRunner:
         return [self.cache.page_digest(page) for page in pages]
 
     def run(self, plan: Plan) -> StepResult:
-        token_ids, meta, written = self._prepare(plan)
+        token_ids, meta, written, head = self._prepare(plan)
         if self.threads is not None:
             want = self.threads[0] if meta.prefills else self.threads[1]
             if torch.get_num_threads() != want:  # per thread in OpenMP: set here, on the thread that steps
                 torch.set_num_threads(want)
-        logits = self.model(token_ids, meta, self.cache)  # [N, V]
+        logits = self.model(token_ids, meta, self.cache)  # [N, V]: the rows of meta.sample_idx, in its order
+        prompt_lp = self._prompt_logprobs(plan, logits, head)
         sample_rows = [row for row in plan.rows if row.sample]
         if not sample_rows:
-            return StepResult(sampled={}, written=written)
+            return StepResult(sampled={}, written=written, prompt_logprobs=prompt_lp)
+        if head.sample_at is not None:
+            logits = logits[head.sample_at]
         tokens, logprobs = self.sampler(
             logits,
             [r.params for r in sample_rows],
@@ -71,9 +99,11 @@ class ModelRunner:
         token_list = tokens.tolist()
         sampled = {r.request_id: t for r, t in zip(sample_rows, token_list, strict=True)}
         top = self._logprobs(sample_rows, tokens, logprobs)
-        return StepResult(sampled=sampled, written=written, logprobs=top)
+        return StepResult(sampled=sampled, written=written, logprobs=top, prompt_logprobs=prompt_lp)
 
-    def _prepare(self, plan: Plan) -> tuple[torch.Tensor, AttentionMetadata, tuple[tuple[int, ...], ...]]:
+    def _prepare(
+        self, plan: Plan
+    ) -> tuple[torch.Tensor, AttentionMetadata, tuple[tuple[int, ...], ...], _Head]:
         S, dev = self.page_size, self.device
         tokens: list[int] = []
         positions: list[int] = []
@@ -81,6 +111,7 @@ class ModelRunner:
         prefills: list[PrefillSeq] = []
         decode_rows: list[int] = []
         sample_idx: list[int] = []
+        prompt_idx: list[int] = []  # flat positions whose logits score prompt tokens (prompt logprobs)
         written: list[tuple[int, ...]] = []
         for i, row in enumerate(plan.rows):
             q_start = len(tokens)
@@ -97,6 +128,9 @@ class ModelRunner:
                 prefills.append(PrefillSeq(q_start, row.num_new_tokens, row.start_pos, pages))
             if row.sample:
                 sample_idx.append(len(tokens) - 1)
+            at = q_start + row.prompt_offset
+            prompt_idx.extend(range(at, at + len(row.prompt_targets)))
+        head = _Head.of(sample_idx, prompt_idx, dev)
         slot_tensor = torch.tensor(slots, dtype=torch.long, device=dev)
         self._maybe_drop_write(plan, slot_tensor, written)
         meta = AttentionMetadata(
@@ -106,11 +140,11 @@ class ModelRunner:
             decode_idx=None,
             decode_pages=None,
             decode_lens=None,
-            sample_idx=torch.tensor(sample_idx, dtype=torch.long, device=dev),
+            sample_idx=head.idx,
         )
         if decode_rows:
             self._prepare_decode(plan, decode_rows, meta)
-        return torch.tensor(tokens, dtype=torch.long, device=dev), meta, tuple(written)
+        return torch.tensor(tokens, dtype=torch.long, device=dev), meta, tuple(written), head
 
     def _prepare_decode(self, plan: Plan, decode_rows: list[int], meta: AttentionMetadata) -> None:
         S, dev = self.page_size, self.device
@@ -141,6 +175,35 @@ class ModelRunner:
                 written[i] = written[i][1:]
                 return
             offset += row.num_new_tokens
+
+    @staticmethod
+    def _prompt_logprobs(
+        plan: Plan, logits: torch.Tensor, head: _Head
+    ) -> dict[RequestId, tuple[LogprobEntry, ...]] | None:
+        """Each prompt-logprob row's entries: the logprob of the prompt token that follows each of its scored
+        positions, and its top-k alternatives, from the unmodified distribution (as vLLM reports them)."""
+        if head.prompt_at is None:
+            return None
+        rows = [r for r in plan.rows if r.prompt_targets]
+        lp = torch.log_softmax(logits[head.prompt_at].float(), dim=-1)  # [P, V]
+        targets = torch.tensor(
+            [t for r in rows for t in r.prompt_targets], dtype=torch.long, device=lp.device
+        )
+        chosen = lp.gather(1, targets[:, None])[:, 0].tolist()
+        k = max(r.params.prompt_logprobs or 0 for r in rows)
+        top = lp.topk(k) if k else None
+        ids = top.indices.tolist() if top is not None else None
+        vals = top.values.tolist() if top is not None else None
+        out, i = {}, 0
+        for r in rows:
+            kr = r.params.prompt_logprobs or 0
+            entries = []
+            for _ in r.prompt_targets:
+                pairs = tuple(zip(ids[i][:kr], vals[i][:kr], strict=True)) if ids and vals and kr else ()
+                entries.append((chosen[i], pairs))
+                i += 1
+            out[r.request_id] = tuple(entries)
+        return out
 
     def _logprobs(
         self, rows: list[PlanRow], tokens: torch.Tensor, logprobs: torch.Tensor | None

@@ -32,6 +32,8 @@ class RequestOutput:
     token_ids: tuple[int, ...]  # all output token ids so far
     logprobs: tuple[LogprobEntry, ...] = ()  # one entry per new token when the request asked for logprobs
     num_cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache (its own cache scope: I7)
+    # with params.prompt_logprobs, on the first output only: one entry per prompt token, None for the first
+    prompt_logprobs: tuple[LogprobEntry | None, ...] = ()
 
 
 class _TextState:
@@ -105,6 +107,12 @@ class OutputProcessor:
     ) -> RequestOutput:
         delta = text[st.emitted : upto]
         st.emitted = upto
+        prompt_lp: tuple[LogprobEntry | None, ...] = ()
+        scored = (
+            len(request.prompt_logprobs) == request.num_prompt_tokens - 1
+        )  # here, not on a PD decode worker
+        if st.sent_tokens == 0 and new_ids and request.params.prompt_logprobs is not None and scored:
+            prompt_lp = (None, *request.prompt_logprobs)
         st.sent_tokens = request.num_output_tokens
         failed = request.state in (RequestState.FAILED, RequestState.ABORTED)
         return RequestOutput(
@@ -120,6 +128,7 @@ class OutputProcessor:
             token_ids=tuple(request.output_token_ids),
             logprobs=logprobs,
             num_cached_tokens=request.num_cached_tokens,
+            prompt_logprobs=prompt_lp,
         )
 
 

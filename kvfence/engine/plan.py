@@ -23,6 +23,9 @@ class PlanRow:
     history: tuple[int, ...] = ()  # prompt + output so far, only for rows whose penalties read it
     banned: tuple[int, ...] = ()  # token ids it may not sample now (EOS and stop ids before min_tokens)
     allowed: Any = None  # structured output: bool[vocab] of the tokens its grammar allows next (numpy)
+    # prompt logprobs: the prompt tokens that follow chunk positions prompt_offset, prompt_offset + 1, ...
+    prompt_targets: tuple[int, ...] = ()
+    prompt_offset: int = 0
 
     @property
     def num_new_tokens(self) -> int:
@@ -54,3 +57,5 @@ class StepResult:
     sampled: dict[RequestId, int]
     written: tuple[tuple[int, ...], ...]  # per plan row: block-table indices of the pages it actually wrote
     logprobs: dict[RequestId, tuple[float, tuple[tuple[int, float], ...]]] | None = None
+    # per row with prompt_targets: one (logprob, top-k) entry per target, in order
+    prompt_logprobs: dict[RequestId, tuple[tuple[float, tuple[tuple[int, float], ...]], ...]] | None = None

@@ -35,6 +35,9 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top logprobs to return per token (0 = only the sampled token)
+    # logprob of every prompt token after the first, with this many alternatives (completions' echo); such a
+    # request reads nothing from the prefix cache: every prompt position has to run for its logits
+    prompt_logprobs: int | None = None
     # logit processors (kvfence/model/sampler.py), applied to greedy and sampled rows alike, as OpenAI/vLLM do:
     presence_penalty: float = 0.0  # minus this for every token already in the output
     frequency_penalty: float = 0.0  # minus this times the token's count in the output
@@ -75,6 +78,10 @@ class SamplingParams:
             raise InvalidSamplingParams("top_k", f"top_k must be at least 1, got {self.top_k}")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise InvalidSamplingParams("logprobs", f"logprobs must be in [0, 20], got {self.logprobs}")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= 20:
+            raise InvalidSamplingParams(
+                "logprobs", f"prompt logprobs must be in [0, 20], got {self.prompt_logprobs}"
+            )
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2.0 <= getattr(self, name) <= 2.0:
                 raise InvalidSamplingParams(name, f"{name} must be in [-2, 2], got {getattr(self, name)}")
@@ -165,10 +172,15 @@ class Request:
     num_sealed_pages: int = 0  # pages [0, n) of the block table are sealed (shared or own), or passed over
     num_cached_tokens: int = 0  # tokens whose K/V came from the cache when the prefill last started
     grammar: Any = None  # its GrammarState (kvfence/engine/grammar.py) when params.grammar is set
+    # params.prompt_logprobs: entry i is prompt token i + 1's (the first token has none), filled as the
+    # prefill's chunks run; a recompute after preemption does not add them again
+    prompt_logprobs: list[tuple[float, tuple[tuple[int, float], ...]]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.token_ids:
             self.token_ids = list(self.prompt_token_ids)
+        if self.params.prompt_logprobs is not None:
+            self.cacheable = False  # a cached prefix has no logits
 
     def transition(self, new: RequestState) -> None:
         if new not in TRANSITIONS[self.state]:

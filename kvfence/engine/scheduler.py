@@ -189,6 +189,7 @@ class Scheduler:
             history = tuple(r.token_ids) if sample and p.needs_history else ()
             banned = self._banned(p) if sample and r.num_output_tokens < p.min_tokens else ()
             allowed = r.grammar.allowed() if sample and r.grammar is not None else None
+            offset, targets = self._prompt_targets(r, start, end)
             rows.append(
                 PlanRow(
                     request_id=r.request_id,
@@ -202,9 +203,23 @@ class Scheduler:
                     history=history,
                     banned=banned,
                     allowed=allowed,
+                    prompt_targets=targets,
+                    prompt_offset=offset,
                 )
             )
         return Plan(rows=tuple(rows), step=step)
+
+    @staticmethod
+    def _prompt_targets(r: Request, start: int, end: int) -> tuple[int, tuple[int, ...]]:
+        """(offset in the chunk, the prompt tokens those positions predict) for a request that wants prompt
+        logprobs: positions [start, end) that predict a prompt token not already scored."""
+        if r.params.prompt_logprobs is None:
+            return 0, ()
+        first = max(start, len(r.prompt_logprobs))
+        last = min(end, r.num_prompt_tokens - 1)
+        if first >= last:
+            return 0, ()
+        return first - start, tuple(r.token_ids[first + 1 : last + 1])
 
     # ---- after the step ---------------------------------------------------------------------------------
 

@@ -275,16 +275,24 @@ class _Common(_Strict):
 
 class CompletionRequest(_Common):
     prompt: str | list[str] | TokenIds | list[TokenIds]
-    max_tokens: int | None = Field(None, ge=1, lt=_INT64)
+    max_tokens: int | None = Field(
+        None, ge=0, lt=_INT64
+    )  # 0 only with echo: score the prompt, generate nothing
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    echo: bool = False  # not supported: only false
+    echo: bool = (
+        False  # the prompt comes back before the completion; with logprobs, the prompt's logprobs too
+    )
 
-    @field_validator("echo")
-    @classmethod
-    def _check_echo(cls, v: bool) -> bool:
-        if v:
-            raise ValueError("echo is not supported")
-        return v
+    @model_validator(mode="after")
+    def _check_echo(self) -> CompletionRequest:
+        if self.max_tokens == 0 and not self.echo:
+            raise invalid("max_tokens", "max_tokens must be at least 1 (0 only with echo, to score a prompt)")
+        return self
+
+    @property
+    def prompt_only(self) -> bool:
+        """echo with max_tokens 0: the prompt (and its logprobs) and nothing generated."""
+        return self.echo and self.max_tokens == 0
 
     def prompts(self) -> list[str | list[int]]:
         """The prompts as a list: strings or token-id lists (at least one; each checked later for length)."""
@@ -481,7 +489,7 @@ def sampling_params(
         max_tokens = asked or room
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
     else:
-        max_tokens = req.max_tokens or min(DEFAULT_COMPLETION_TOKENS, room)
+        max_tokens = req.max_tokens or (1 if req.prompt_only else min(DEFAULT_COMPLETION_TOKENS, room))
         logprobs = req.logprobs
     try:
         return SamplingParams(
@@ -494,6 +502,7 @@ def sampling_params(
             stop_token_ids=tuple(req.stop_token_ids),
             ignore_eos=req.ignore_eos,
             logprobs=logprobs,
+            prompt_logprobs=req.logprobs if isinstance(req, CompletionRequest) and req.echo else None,
             presence_penalty=req.presence_penalty,
             frequency_penalty=req.frequency_penalty,
             repetition_penalty=req.repetition_penalty,

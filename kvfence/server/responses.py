@@ -30,8 +30,10 @@ class Choice:
     num_cached_tokens: int = 0
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[LogprobEntry] = field(default_factory=list)
+    prompt_logprobs: tuple[LogprobEntry | None, ...] = ()  # echo: from the output that brought them
 
     def update(self, out: RequestOutput) -> None:
+        self.prompt_logprobs = self.prompt_logprobs or out.prompt_logprobs
         self.text = out.text
         self.num_prompt_tokens, self.num_output_tokens = out.num_prompt_tokens, out.num_output_tokens
         # PD: the prefill worker's first token carries the hits; the decode worker's outputs say 0
@@ -66,25 +68,66 @@ DONE = "data: [DONE]\n\n"
 # ---- completions --------------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True, slots=True)
+class Echo:
+    """A completions choice's prompt, sent back before its completion (`echo`)."""
+
+    text: str
+    token_ids: list[int]
+
+
 def completion_body(
-    rid: str, created: int, model: str, choices: list[Choice], n: int, token_text: TokenText, want_lp: bool
+    rid: str,
+    created: int,
+    model: str,
+    choices: list[Choice],
+    n: int,
+    token_text: TokenText,
+    want_lp: bool,
+    echoes: list[Echo] | None = None,
 ) -> dict[str, Any]:
+    out = []
+    for i, c in enumerate(choices):
+        echo = echoes[i] if echoes else None
+        lp = None
+        if want_lp:
+            head = echo_logprobs(echo, c.prompt_logprobs, token_text) if echo else None
+            offset = sum(len(t) for t in head["tokens"]) if head else 0
+            lp = join_logprobs(head, completion_logprobs(c.token_ids, c.logprobs, token_text, offset))
+        text = (echo.text if echo else "") + c.text
+        out.append({"index": i, "text": text, "logprobs": lp, "finish_reason": c.finish_reason})
     return {
         "id": rid,
         "object": "text_completion",
         "created": created,
         "model": model,
-        "choices": [
-            {
-                "index": i,
-                "text": c.text,
-                "logprobs": completion_logprobs(c.token_ids, c.logprobs, token_text, 0) if want_lp else None,
-                "finish_reason": c.finish_reason,
-            }
-            for i, c in enumerate(choices)
-        ],
+        "choices": out,
         "usage": usage(choices, n),
     }
+
+
+def echo_logprobs(
+    echo: Echo, entries: tuple[LogprobEntry | None, ...], token_text: TokenText
+) -> dict[str, Any]:
+    """The prompt's part of a completion's logprobs: the first token has none (null), as OpenAI's has."""
+    tokens = [token_text(t) for t in echo.token_ids]
+    offsets, at = [], 0
+    for tok in tokens:
+        offsets.append(at)
+        at += len(tok)
+    padded = list(entries) + [None] * (len(tokens) - len(entries))
+    return {
+        "tokens": tokens,
+        "token_logprobs": [e[0] if e else None for e in padded],
+        "top_logprobs": [{token_text(t): v for t, v in e[1]} if e else None for e in padded],
+        "text_offset": offsets,
+    }
+
+
+def join_logprobs(head: dict[str, Any] | None, tail: dict[str, Any]) -> dict[str, Any]:
+    if head is None:
+        return tail
+    return {key: head[key] + tail[key] for key in head}
 
 
 def completion_chunk(

@@ -99,6 +99,7 @@ class _Job:
     created: int
     num_choices: int
     submission: Submission
+    echoes: list[R.Echo] | None = None  # completions with echo: each choice's prompt
 
 
 class Serving:
@@ -118,16 +119,26 @@ class Serving:
         rid = f"cmpl-{uuid.uuid4().hex}"
         with self._rejections(rid, tenant, body.user):
             self.check_model(body.model)
-            prompts = await asyncio.to_thread(self._tokenize, body.prompts())
+            given = body.prompts()
+            prompts = await asyncio.to_thread(self._tokenize, given)
             job = self._submit(body, prompts, rid, tenant)
+        if body.echo:
+            texts = await asyncio.to_thread(self._echo_texts, given)
+            job.echoes = [
+                R.Echo(t, ids) for t, ids in zip(texts, prompts, strict=True) for _ in range(body.n)
+            ]
         if body.stream:
             return EngineStream(error_terminated(self._stream_completion(job)), job.submission.abort)
         choices = await self._collect(job, http)
+        if body.prompt_only:
+            for c in choices:
+                _nothing_generated(c)
         return JSONResponse(
             R.completion_body(
-                rid, job.created, body.model, choices, body.n, self.token_text, body.logprobs is not None
+                rid, job.created, body.model, choices, body.n, self.token_text, body.logprobs is not None,
+                job.echoes,
             )
-        )
+        )  # fmt: skip
 
     async def chat(self, body: ChatCompletionRequest, http: HTTPRequest, tenant: str) -> Response:
         rid = f"chatcmpl-{uuid.uuid4().hex}"
@@ -189,6 +200,12 @@ class Serving:
                 )
             out.append(ids)
         return out
+
+    def _echo_texts(self, prompts: list[str | list[int]]) -> list[str]:
+        """What echo sends back: a text prompt as given, a token prompt as its text."""
+        return [
+            p if isinstance(p, str) else self.tokenizer.decode(p, skip_special_tokens=False) for p in prompts
+        ]
 
     def _render_chat(
         self, messages: list[dict[str, Any]], functions: list[Function], add_generation_prompt: bool = True
@@ -258,6 +275,21 @@ class Serving:
         choices = [R.Choice() for _ in range(job.num_choices)]
         offsets = [0] * job.num_choices
         async for index, out in self._checked(job, choices):
+            if job.echoes is not None and out.num_output_tokens == len(out.new_token_ids):  # its first output
+                echo, head = job.echoes[index], None
+                if body.logprobs is not None:
+                    head = R.echo_logprobs(echo, out.prompt_logprobs, self.token_text)
+                    offsets[index] = sum(len(t) for t in head["tokens"])
+                finish = None
+                if body.prompt_only:
+                    _nothing_generated(choices[index])
+                    finish = "length"
+                chunk = R.completion_chunk(
+                    job.rid, job.created, body.model, index, echo.text, finish, head, body.include_usage
+                )
+                yield R.sse(chunk)
+                if body.prompt_only:
+                    continue
             lp = None
             if body.logprobs is not None and out.logprobs:
                 lp = R.completion_logprobs(
@@ -330,6 +362,11 @@ class Serving:
         if job.body.include_usage:
             yield R.sse(R.usage_chunk(job.rid, job.created, job.body.model, obj, choices, job.body.n))
         yield R.DONE
+
+
+def _nothing_generated(c: R.Choice) -> None:
+    """echo with max_tokens 0: the engine ran one token to score the prompt; the client asked for none."""
+    c.text, c.token_ids, c.logprobs, c.num_output_tokens, c.finish_reason = "", [], [], 0, "length"
 
 
 class _StreamFailed(Exception):
