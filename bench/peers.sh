@@ -2,6 +2,8 @@
 # Serving benchmark against the peers, on the same weights and the same cores (never part of `make test`).
 #
 #   bench/peers.sh [all | kvfence | vllm | llamacpp | transformers | table]
+#   bench/peers.sh structured   # W1 with and without a JSON schema on every request (bench/serve.py --structured
+#                               # json_schema), kvfence colocated and vLLM, both in one run (issue 24)
 #   bench/peers.sh quality      # llama.cpp's KL divergence of the Q4_1 GGUF against its F32 weights
 #                               # (bench/llamacpp_quality.py; results in $RESULTS/quality, issue 20)
 #   bench/peers.sh rounds N     # N rounds of vLLM against kvfence (colocated and PD), order swapped each round
@@ -249,6 +251,56 @@ run_rounds() {  # run_rounds N: side by side repeated, so that machine drift fal
   done
 }
 
+structured_pair() {  # structured_pair LABEL: W1 plain and W1 under the JSON schema, twice, alternating
+  # Each run gets prompts of its own (--seed): a run on the previous run's prompts would find them in the prefix
+  # cache (both servers keep one) and look faster for it.
+  mkdir -p "$RESULTS/structured"  # not in $RESULTS itself: peers.py table reads every *.json there
+  local round s seed=100
+  for round in 1 2; do
+    for s in none json_schema; do
+      seed=$((seed + 1))
+      log "$1 W1 structured=$s round $round (load average: $(cut -d' ' -f1-3 /proc/loadavg))"
+      "$PY" "$ROOT/bench/serve.py" --base-url "http://127.0.0.1:$PORT" --workload W1 --structured "$s" --quiet \
+        --seed "$seed" --label "$1" --json "$RESULTS/structured/$1.$s.r$round.json" || log "$1 $s had failures"
+    done
+  done
+}
+
+run_structured() {
+  "$ROOT/.venv/bin/kvfence" serve --port "$PORT" --threads "$THREADS" --dtype bfloat16 >"$RESULTS/kvfence-structured.log" 2>&1 &
+  local pid=$!
+  wait_healthy "http://127.0.0.1:$PORT/health" "$pid" 300 && warmup && structured_pair kvfence-bf16
+  stop "$pid"
+  install_vllm
+  export_hf
+  VLLM_CPU_OMP_THREADS_BIND=0-$((THREADS - 1)) VLLM_CPU_NUM_OF_RESERVED_CPU=0 VLLM_CPU_KVCACHE_SPACE=2 \
+    "$PEERS/vllm-venv/bin/python" -m vllm.entrypoints.openai.api_server --model "$HF_DIR" \
+    --served-model-name smollm2 --dtype bfloat16 --max-model-len 2048 --port "$PORT" \
+    >"$RESULTS/vllm-structured.log" 2>&1 &
+  pid=$!
+  wait_healthy "http://127.0.0.1:$PORT/health" "$pid" 600 && warmup && structured_pair vllm-bf16
+  stop "$pid"
+  "$PY" - "$RESULTS/structured" <<'PYEOF'
+import json, pathlib, sys
+rows = {}
+for f in sorted(pathlib.Path(sys.argv[1]).glob("*.json")):
+    d = json.loads(f.read_text())
+    rows.setdefault(d["label"], {}).setdefault(d["structured"], []).append(d)
+mean = lambda runs, f: sum(f(r) for r in runs) / len(runs)  # noqa: E731
+print("| server | W1 out tok/s plain (runs) | with json_schema (runs) | cost of the schema | TTFT p50 ms plain / schema | failures |")
+print("| --- | --- | --- | --- | --- | --- |")
+for label, r in rows.items():
+    a, b = r.get("none"), r.get("json_schema")
+    if not a or not b:
+        continue
+    ta, tb = mean(a, lambda d: d["output_tok_s"]), mean(b, lambda d: d["output_tok_s"])
+    runs = lambda xs: " / ".join(str(d["output_tok_s"]) for d in xs)  # noqa: E731
+    fails = sum(d["num_failed"] for d in a + b)
+    print(f"| {label} | {ta:.1f} ({runs(a)}) | {tb:.1f} ({runs(b)}) | {1 - tb / ta:+.1%} | "
+          f"{mean(a, lambda d: d['ttft_ms']['p50']):.0f} / {mean(b, lambda d: d['ttft_ms']['p50']):.0f} | {fails} |")
+PYEOF
+}
+
 case "${1:-all}" in
   kvfence) run_kvfence ;;
   vllm) run_vllm ;;
@@ -257,7 +309,8 @@ case "${1:-all}" in
   table) ;;
   rounds) run_rounds "${2:-2}" ;;
   quality) run_quality; exit 0 ;;
+  structured) run_structured; exit 0 ;;
   all) run_kvfence; run_vllm; run_llamacpp; run_transformers ;;
-  *) echo "usage: $0 [all|kvfence|vllm|llamacpp|transformers|table|rounds N|quality]" >&2; exit 2 ;;
+  *) echo "usage: $0 [all|kvfence|vllm|llamacpp|transformers|table|rounds N|quality|structured]" >&2; exit 2 ;;
 esac
 print_table

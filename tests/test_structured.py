@@ -143,3 +143,23 @@ def test_the_grammar_state_survives_a_hand_off(tiny_model):
     rebuilt = grammars.start(g, [first])
     assert (rebuilt.allowed() == whole.allowed()).all()
     assert SamplingParams(grammar=g).grammar == g
+
+
+def test_the_sampler_masks_exactly_the_disallowed_tokens_of_its_structured_rows():
+    """Packed masks (bit t % 32 of word t // 32) applied to some rows of a batch; ids past the tokenizer's
+    vocabulary (a model vocabulary padded beyond it) are never allowed."""
+    import numpy as np
+    import torch
+
+    from kvfence.model.sampler import _mask_disallowed
+
+    rng = np.random.default_rng(0)
+    logits = torch.randn(3, 70)
+    words = [rng.integers(-(2**31), 2**31, size=2, dtype=np.int64).astype(np.int32) for _ in range(2)]
+    got = logits.clone()
+    _mask_disallowed(got, [0, 2], words)
+    for row, w in zip([0, 2], words, strict=True):
+        allowed = [bool((int(w[t // 32]) >> (t % 32)) & 1) if t < 64 else False for t in range(70)]
+        for t in range(70):
+            assert (got[row, t] == logits[row, t]) if allowed[t] else got[row, t] == float("-inf")
+    assert torch.equal(got[1], logits[1])

@@ -98,10 +98,17 @@ class GrammarState:
         self._bitmask = llnp.allocate_token_bitmask(1, tokenizer_vocab)
         self._tokenizer_vocab = tokenizer_vocab
 
-    def allowed(self) -> np.ndarray:
-        """bool[vocab]: the tokens the grammar allows next (EOS once it is complete)."""
+    def bitmask(self) -> np.ndarray:
+        """The tokens the grammar allows next (EOS once it is complete), packed: int32[ceil(tokenizer vocab /
+        32)], bit t % 32 of word t // 32 set = token t allowed (what the sampler takes: kvfence/model/sampler.py).
+        A fresh array: the plan keeps it while the state moves on."""
         llnp.fill_next_token_bitmask(self._matcher, self._bitmask, 0)
-        bits = np.unpackbits(self._bitmask[0].view(np.uint8), bitorder="little")[: self._tokenizer_vocab]
+        words: np.ndarray = self._bitmask[0].copy()
+        return words
+
+    def allowed(self) -> np.ndarray:
+        """bool[vocab]: the tokens the grammar allows next, unpacked (tests, tools)."""
+        bits = np.unpackbits(self.bitmask().view(np.uint8), bitorder="little")[: self._tokenizer_vocab]
         out = np.zeros(self._vocab, dtype=bool)
         out[: len(bits)] = bits.astype(bool)
         return out

@@ -22,7 +22,9 @@ class PlanRow:
     num_generated: int  # output tokens so far; with a seed, makes sampling independent of batching
     history: tuple[int, ...] = ()  # prompt + output so far, only for rows whose penalties read it
     banned: tuple[int, ...] = ()  # token ids it may not sample now (EOS and stop ids before min_tokens)
-    allowed: Any = None  # structured output: bool[vocab] of the tokens its grammar allows next (numpy)
+    allowed: Any = (
+        None  # structured output: the tokens its grammar allows next, packed (GrammarState.bitmask)
+    )
     # prompt logprobs: the prompt tokens that follow chunk positions prompt_offset, prompt_offset + 1, ...
     prompt_targets: tuple[int, ...] = ()
     prompt_offset: int = 0

@@ -188,7 +188,7 @@ class Scheduler:
             sample = end == r.num_tokens
             history = tuple(r.token_ids) if sample and p.needs_history else ()
             banned = self._banned(p) if sample and r.num_output_tokens < p.min_tokens else ()
-            allowed = r.grammar.allowed() if sample and r.grammar is not None else None
+            allowed = r.grammar.bitmask() if sample and r.grammar is not None else None
             offset, targets = self._prompt_targets(r, start, end)
             rows.append(
                 PlanRow(

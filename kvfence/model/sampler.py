@@ -14,10 +14,25 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor
 
 from kvfence.engine.request import SamplingParams
+
+
+def _mask_disallowed(logits: Tensor, rows: list[int], words: list[Any]) -> None:
+    """-inf for every token a row's grammar does not allow. `words[j]`: row rows[j]'s packed bitmask (numpy
+    int32[ceil(tokenizer vocab / 32)], bit t % 32 of word t // 32 set = token t allowed); ids beyond it never are."""
+    vocab = logits.shape[1]
+    bits = np.unpackbits(np.stack(words).view(np.uint8), axis=1, count=vocab, bitorder="little")  # [M, vocab]
+    # 1 - 1/bit: 0 where allowed, -inf elsewhere. Plain elementwise float ops vectorize; a boolean masked_fill_
+    # does not (4x slower for 8 rows of a 49k vocabulary here), and this runs every step of every such row.
+    penalty = torch.from_numpy(bits).to(logits.device, torch.float32).reciprocal_().neg_().add_(1.0)
+    if len(rows) == logits.shape[0]:
+        logits.add_(penalty)
+    else:
+        logits.index_add_(0, torch.tensor(rows, device=logits.device), penalty)
 
 
 class Sampler:
@@ -47,10 +62,9 @@ class Sampler:
             for i in adjusted:
                 history = histories[i] if histories is not None else ()
                 _adjust(logits[i], params[i], history, num_generated[i], banned[i] if banned else ())
-            for i in masked:  # structured output: only what the grammar allows next
+            if masked:  # structured output: only what each row's grammar allows next, all rows in one op
                 assert allowed is not None
-                mask = torch.from_numpy(allowed[i][: logits.shape[1]])
-                logits[i].masked_fill_(~mask, float("-inf"))
+                _mask_disallowed(logits, masked, [allowed[i] for i in masked])
         tokens = logits.argmax(dim=-1)
         random_rows = [i for i, p in enumerate(params) if not p.greedy]
         if random_rows:
