@@ -3,7 +3,8 @@
 #
 #   bench/peers.sh [all | kvfence | vllm | llamacpp | transformers | table]
 #   bench/peers.sh structured   # W1 with and without a JSON schema on every request (bench/serve.py --structured
-#                               # json_schema), kvfence colocated and vLLM, both in one run (issue 24)
+#                               # json_schema), kvfence colocated and vLLM, both in one run (issue 24);
+#                               # STRUCTURED_ROUNDS=N alternating rounds (default 2)
 #   bench/peers.sh quality      # llama.cpp's KL divergence of the Q4_1 GGUF against its F32 weights
 #                               # (bench/llamacpp_quality.py; results in $RESULTS/quality, issue 20)
 #   bench/peers.sh rounds N     # N rounds of vLLM against kvfence (colocated and PD), order swapped each round
@@ -256,7 +257,7 @@ structured_pair() {  # structured_pair LABEL: W1 plain and W1 under the JSON sch
   # cache (both servers keep one) and look faster for it.
   mkdir -p "$RESULTS/structured"  # not in $RESULTS itself: peers.py table reads every *.json there
   local round s seed=100
-  for round in 1 2; do
+  for round in $(seq "${STRUCTURED_ROUNDS:-2}"); do
     for s in none json_schema; do
       seed=$((seed + 1))
       log "$1 W1 structured=$s round $round (load average: $(cut -d' ' -f1-3 /proc/loadavg))"
