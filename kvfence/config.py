@@ -139,6 +139,13 @@ class SchedulerOptions:
     prefill_batch_tokens: int = option(
         256, "a step with prefill tokens takes another request's prefill only within this many (0: no limit)"
     )
+    policy: str = option(
+        "vtc",
+        "order across tenants: vtc (virtual token counters, with the keys file's weights and page shares; "
+        "docs/fairness.md) or fcfs (arrival order, no shares)",
+        flag="--scheduling-policy",
+        choices=("vtc", "fcfs"),
+    )
 
     def __post_init__(self) -> None:
         check(

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -16,6 +16,7 @@ from kvfence.server.async_engine import AsyncEngine
 from kvfence.server.background import serve_in_thread
 from kvfence.server.metrics import ServerMetrics
 from kvfence.server.serving import ServerSettings
+from kvfence.server.tenants import TenantLimits
 from tests.conftest import make_engine
 
 T = TypeVar("T")
@@ -69,6 +70,7 @@ def running_server(
     max_body_bytes: int = 4 << 20,
     admin_key: str | None = None,
     metrics_key: str | None = SCRAPE_KEY,
+    tenant_limits: Mapping[str, TenantLimits] | None = None,
     **engine_overrides: Any,
 ) -> Iterator[Handle]:
     metrics = ServerMetrics()
@@ -77,6 +79,7 @@ def running_server(
     settings = ServerSettings(
         MODEL,
         api_keys=api_keys,
+        tenant_limits=tenant_limits,
         max_body_bytes=max_body_bytes,
         admin_key=admin_key,
         metrics_key=metrics_key,

@@ -27,6 +27,7 @@ from kvfence.config import Config
 from kvfence.engine.admission import Limits, admit
 from kvfence.engine.config import torch_dtype
 from kvfence.engine.errors import DuplicateRequestId, InvalidSamplingParams
+from kvfence.engine.fairness import Fairness, TenantShare
 from kvfence.engine.grammar import Grammars
 from kvfence.engine.handover import PDHandover
 from kvfence.engine.model_runner import ModelRunner
@@ -56,10 +57,12 @@ class LLMEngine(PDHandover):
         loaded: LoadedModel | None = None,
         runner: ModelRunner | None = None,
         faults: Faults | None = None,
+        tenants: Mapping[str, TenantShare] | None = None,
     ) -> None:
         """`config`: resolved (`kvfence.config.resolve`). `runner`: a stand-in for the model runner (the
         simulator's, kvfence/sim); `loaded` then only needs the model config and tokenizer. `faults`: knobs a
-        test holds on to; by default they come from `config.engine.faults`."""
+        test holds on to; by default they come from `config.engine.faults`. `tenants`: weights and page shares
+        from the keys file (engine/fairness.py); ValueError if their guarantees exceed the pool."""
         threads = config.engine.threads
         if threads:
             torch.set_num_threads(threads)
@@ -105,6 +108,7 @@ class LLMEngine(PDHandover):
             self.pool,
             loaded.config.eos_token_ids or self.tokenizer.eos_token_ids,
             self.prefix_cache,
+            Fairness(tenants or {}, num_pages, enabled=config.scheduler.policy == "vtc"),
         )
         self.limits = Limits(self.context_length, num_pages, page_size)
         self.outputs = OutputProcessor(self.tokenizer)

@@ -6,13 +6,19 @@ Each step (`schedule`):
   1. Running requests first, oldest first: a decode needs one token, an unfinished chunked prefill the next
      chunk. If the pool cannot cover them, preempt the request at the back of the running queue (release its
      pages, recompute later) until it can.
-  2. Then waiting requests, in order, while the token budget, `max_num_seqs` and free pages allow. Long prompts
+  2. Then waiting requests while the token budget, `max_num_seqs` and free pages allow: in arrival order
+     (`fcfs`), or (`vtc`, the default) the first waiting request of the backlogged tenant with the smallest
+     virtual token counter, skipping a tenant at its page cap (engine/fairness.py). Long prompts
      are cut into chunks that fit the budget (chunked prefill). New requests never preempt running ones.
      With `prefill_batch_tokens`, a step that already holds prefill tokens takes another request's prefill only
      while the step's prefill tokens stay within it: prefills that would each fill the matmuls on their own run
      one after another, so the first of a burst gets its first token after its own prefill, not after all of
      them (on 2 CPU cores, W1's time to first token: 1.06 s batched, 0.40 s serial; docs/performance.md).
-`postprocess` appends sampled tokens, and finishes requests on EOS, stop ids, max_tokens or context length.
+Fairness (`vtc`): a tenant may not lease pages beyond its `max_pages`, nor the pages other backlogged tenants are
+short of their `min_pages`; preemption takes the newest running request of the tenant furthest above its share,
+never one that would take a tenant below its guarantee (`fcfs`: the newest running request).
+`postprocess` charges each tenant's counter for what the step computed, appends sampled tokens, and finishes
+requests on EOS, stop ids, max_tokens or context length.
 `finish` is the only way a request leaves: its pages go back to the pool (quarantine first, see kv/pool.py).
 
 Prefix cache (kv/prefix_cache.py), when enabled: a waiting request starts from its longest cached prefix under
@@ -28,6 +34,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from kvfence.config import SchedulerOptions
+from kvfence.engine.fairness import Fairness
 from kvfence.engine.plan import Plan, PlanRow
 from kvfence.engine.request import Request, RequestState, SamplingParams
 from kvfence.ids import RequestId
@@ -49,8 +56,10 @@ class Scheduler:
         pool: PagePool,
         eos_token_ids: tuple[int, ...],
         cache: PrefixCache | None = None,
+        fairness: Fairness | None = None,
     ) -> None:
         self.config = config
+        self.fairness = fairness or Fairness({}, pool.num_pages, enabled=config.policy == "vtc")
         self.context_length = context_length  # the engine's: the model's, or lower
         self.pool = pool
         self.cache = cache
@@ -61,8 +70,22 @@ class Scheduler:
         self.handed_off: list[Request] = []  # PD prefill: requests whose pages await a transfer
 
     def add(self, request: Request) -> None:
+        backlogged = self.backlogged()
+        if request.tenant not in backlogged:
+            self.fairness.activate(request.tenant, backlogged)
         request.transition(RequestState.WAITING)
         self.waiting.append(request)
+
+    def backlogged(self) -> set[str]:
+        """Tenants with requests waiting or running."""
+        return {r.tenant for r in self.waiting} | {r.tenant for r in self.running}
+
+    def held_pages(self) -> dict[str, int]:
+        """Pages each tenant's running requests hold (a shared prefix page counts for each holder)."""
+        held: dict[str, int] = {}
+        for r in self.running:
+            held[r.tenant] = held.get(r.tenant, 0) + len(r.pages)
+        return held
 
     @property
     def num_unfinished(self) -> int:
@@ -79,7 +102,9 @@ class Scheduler:
             request = queue.pop(0)
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             while not self._grow(request, num_new):
-                victim = queue.pop() if queue else request
+                victim = self._victim(queue, request)
+                if victim is not request:
+                    queue.remove(victim)
                 self._preempt(victim)
                 preempted = True
                 if victim is request:
@@ -89,14 +114,21 @@ class Scheduler:
                 budget -= num_new
         cap = self.config.prefill_batch_tokens
         prefill = sum(s.num_new_tokens for s in scheduled if s.num_new_tokens > 1)  # running prefills' chunks
+        capped: set[str] = set()  # tenants that may not take more pages this step
         while self.waiting and budget > 0 and not preempted and len(self.running) < self.config.max_num_seqs:
-            request = self.waiting[0]
+            next_request = self._next_waiting(capped)
+            if next_request is None:
+                break
+            request = next_request
             if cap and prefill and prefill + min(request.num_tokens, budget) > cap:
                 break  # this step is full of prefill already; this one goes first in the next step
+            if not self._may_take(request, self.pool.pages_for(min(request.num_tokens, budget))):
+                capped.add(request.tenant)
+                continue
             started = self._start(request, budget)
             if started is None:
                 break
-            self.waiting.popleft()
+            self.waiting.remove(request)
             request.transition(RequestState.RUNNING)
             self.running.append(request)
             scheduled.append(Scheduled(request, started))
@@ -104,12 +136,45 @@ class Scheduler:
             prefill += started
         return scheduled
 
+    def _next_waiting(self, capped: set[str]) -> Request | None:
+        """The waiting request to start next: the oldest (fcfs), or the oldest of the tenant with the smallest
+        counter (vtc) among tenants not capped this step."""
+        if not self.fairness.enabled:
+            return self.waiting[0]
+        tenants = {r.tenant for r in self.waiting} - capped
+        if not tenants:
+            return None
+        tenant = self.fairness.next_tenant(tenants)
+        return next(r for r in self.waiting if r.tenant == tenant)
+
+    def _may_take(self, request: Request, pages: int) -> bool:
+        """Fairness allows `request`'s tenant `pages` more pages now (its cap, others' guarantees)."""
+        if not self.fairness.enabled or pages <= 0:
+            return True
+        free = self.pool.num_free
+        return self.fairness.may_take(request.tenant, pages, free, self.held_pages(), self.backlogged())
+
+    def _victim(self, queue: list[Request], request: Request) -> Request:
+        """Whom to preempt so that `request` can grow: a running request not yet scheduled this step (`queue`)
+        or `request` itself. fcfs: the newest. vtc: the newest of the tenant furthest above its share, never one
+        that takes its tenant below its guarantee; `request` itself if no other may go."""
+        if not self.fairness.enabled:
+            return queue[-1] if queue else request
+        newest: dict[str, Request] = {}
+        for r in queue:
+            newest[r.tenant] = r  # the queue runs oldest first
+        newest.setdefault(request.tenant, request)
+        held = self.held_pages()
+        tenant = self.fairness.victim(held, {t: len(r.pages) for t, r in newest.items()}, self.backlogged())
+        return request if tenant is None else newest[tenant]
+
     def _grow(self, request: Request, num_new: int) -> bool:
-        """Lease the pages `request` needs to hold `num_new` more tokens; False if the pool is short."""
+        """Lease the pages `request` needs to hold `num_new` more tokens; False if the pool is short or
+        fairness does not let its tenant take them now."""
         need = self.pool.pages_for(request.num_computed_tokens + num_new) - len(request.pages)
         if need <= 0:
             return True
-        if not self.pool.can_allocate(need):
+        if not self.pool.can_allocate(need) or not self._may_take(request, need):
             return False
         request.add_leases(self.pool.allocate(need))
         return True
@@ -230,6 +295,8 @@ class Scheduler:
             request = item.request
             if request.state is not RequestState.RUNNING:
                 continue  # failed or aborted while the step ran
+            decode = item.num_new_tokens == 1 and request.num_computed_tokens >= request.num_prompt_tokens
+            self.fairness.charge(request.tenant, 0 if decode else item.num_new_tokens, 1 if decode else 0)
             request.num_computed_tokens += item.num_new_tokens
             self._seal(request)
             token = sampled.get(request.request_id)

@@ -88,6 +88,7 @@ def cmd_serve(config: Config, args: argparse.Namespace) -> int:
     from kvfence.engine.memory import return_freed_memory
     from kvfence.runtime.http import front_door_problem, serve_http
     from kvfence.server.metrics import ServerMetrics
+    from kvfence.server.tenants import load_keys_file
 
     if problem := front_door_problem(config, "serve"):  # keys, TLS: before minutes of loading
         print(problem, file=sys.stderr)
@@ -100,7 +101,14 @@ def cmd_serve(config: Config, args: argparse.Namespace) -> int:
     if not report.can_start:
         return 1
     config = clamped(config, report)
-    llm = on_passing_thread(functools.partial(LLMEngine, config, loaded))  # the engine thread steps it
+    shares = load_keys_file(config.server.api_keys).shares if config.server.api_keys else None
+    try:
+        llm = on_passing_thread(
+            functools.partial(LLMEngine, config, loaded, tenants=shares)
+        )  # the engine thread
+    except ValueError as e:  # tenants' guaranteed pages beyond the pool
+        print(f"kvfence serve: {config.server.api_keys}: {e}", file=sys.stderr)
+        return 2
     del loaded
     return_freed_memory()
 

@@ -36,11 +36,13 @@ def serve_http(
 
     from kvfence.server.app import build_app
     from kvfence.server.async_engine import AsyncEngine
-    from kvfence.server.auth import check_distinct, load_api_keys
+    from kvfence.server.auth import check_distinct
     from kvfence.server.serving import ServerSettings
+    from kvfence.server.tenants import load_keys_file
 
     server = config.server
-    keys = load_api_keys(server.api_keys) if server.api_keys else None
+    keys_file = load_keys_file(server.api_keys) if server.api_keys else None
+    keys = keys_file.keys if keys_file else None
     check_distinct(keys, server.admin_key, server.metrics_key)
     tls = check_tls(server.ssl_keyfile, server.ssl_certfile)
     if keys is not None and not server.admin_key and not server.metrics_key:
@@ -57,6 +59,7 @@ def serve_http(
     settings = ServerSettings(
         name,
         api_keys=keys,
+        tenant_limits=keys_file.limits if keys_file else None,
         max_body_bytes=server.max_body_bytes,
         admin_key=server.admin_key,
         metrics_key=server.metrics_key,

@@ -159,6 +159,11 @@ class AsyncEngine:
             return "the engine is not running"
         return self.engine.unready()
 
+    def in_flight(self, tenant: str) -> int:
+        """Engine requests of `tenant` queued or running (its max_in_flight limit, server/tenants.py)."""
+        with self._cond:
+            return sum(1 for t in self._tracked.values() if t.request.tenant == tenant)
+
     @property
     def num_queued(self) -> int:
         """Requests not yet running: submitted since the last step plus the scheduler's waiting queue."""

@@ -1,7 +1,8 @@
 """Who the caller is at the HTTP front door: tenants by API key (I7: the tenant comes from the authenticated key,
 never from a request field), and operators by the admin and scrape keys (`Operators`, docs/security.md).
 
-Keys file: TOML or JSON, a flat mapping `"key" = "tenant"`. Without a keys file the server has one tenant,
+Keys file: TOML or JSON, a flat mapping `"key" = "tenant"` or `[tenants.NAME]` tables with limits
+(kvfence/server/tenants.py). Without a keys file the server has one tenant,
 `anonymous`, and accepts any or no Authorization header (it binds to loopback unless told otherwise). Every
 comparison of a given key runs in constant time against every configured key (`hmac.compare_digest`).
 """
@@ -9,32 +10,19 @@ comparison of a given key runs in constant time against every configured key (`h
 from __future__ import annotations
 
 import hmac
-import json
-import tomllib
 from collections.abc import Mapping
 from pathlib import Path
 
 from kvfence.server.errors import OpenAIError
+from kvfence.server.tenants import load_keys_file
 
 ANONYMOUS = "anonymous"
 
 
 def load_api_keys(path: str | Path) -> dict[str, str]:
-    """Read a keys file; raises ValueError naming the file and the problem."""
-    p = Path(path)
-    text = p.read_text(encoding="utf-8")
-    try:
-        data = json.loads(text) if p.suffix == ".json" else tomllib.loads(text)
-    except (ValueError, tomllib.TOMLDecodeError) as e:
-        raise ValueError(f"{p}: cannot parse API keys file: {e}") from e
-    if not isinstance(data, dict) or not data:
-        raise ValueError(f"{p}: expected a non-empty mapping of API key -> tenant name")
-    for key, tenant in data.items():
-        if not isinstance(tenant, str) or not tenant or not key:
-            raise ValueError(f"{p}: every entry must map a non-empty key to a non-empty tenant name")
-        if not tenant.isprintable():  # control characters (NUL separates a tenant from its cache salt)
-            raise ValueError(f"{p}: tenant name {tenant!r} has control characters")
-    return dict(data)
+    """Read a keys file (either form, kvfence/server/tenants.py): API key -> tenant; raises ValueError naming the
+    file and the problem."""
+    return load_keys_file(path).keys
 
 
 class Authenticator:

@@ -12,7 +12,7 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,6 +45,7 @@ from kvfence.server.protocol import (
     check_chat_options,
     sampling_params,
 )
+from kvfence.server.tenants import TenantGate, TenantLimits
 from kvfence.server.tools import Function, ToolFormat, ToolStream, render_messages
 
 Body = CompletionRequest | ChatCompletionRequest
@@ -55,6 +56,7 @@ log = logging.getLogger("kvfence.server")
 class ServerSettings:
     served_model_name: str
     api_keys: dict[str, str] | None = None  # key -> tenant; None: one anonymous tenant
+    tenant_limits: Mapping[str, TenantLimits] | None = None  # the keys file's limits (server/tenants.py)
     max_body_bytes: int = 4 << 20
     retry_after_s: int = 1
     admin_key: str | None = None  # opens GET /debug/kv (the KV page map); None: nobody may read it
@@ -77,11 +79,13 @@ class ClusterControl:
 class EngineStream(StreamingResponse):
     """A streaming response that aborts its engine requests however the stream ends (client gone included)."""
 
-    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None]) -> None:
+    def __init__(
+        self, content: AsyncIterator[str], on_close: Callable[[], None], headers: dict[str, str] | None = None
+    ) -> None:
         super().__init__(
             content,
             media_type="text/event-stream",
-            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **(headers or {})},
         )
         self._on_close = on_close
 
@@ -100,6 +104,7 @@ class _Job:
     num_choices: int
     submission: Submission
     echoes: list[R.Echo] | None = None  # completions with echo: each choice's prompt
+    headers: dict[str, str] | None = None  # a limited tenant's x-ratelimit-* headers
 
 
 class Serving:
@@ -109,6 +114,7 @@ class Serving:
         self.vocab_size = engine.engine.vocab_size
         self.grammars = Grammars(self.tokenizer, self.vocab_size)  # checks grammars before admission
         self.tool_format = ToolFormat.for_template(self.tokenizer.chat_template)
+        self.gate = TenantGate(settings.tenant_limits or {}, engine.in_flight)  # 429s before anything queues
 
     def token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
@@ -128,7 +134,9 @@ class Serving:
                 R.Echo(t, ids) for t, ids in zip(texts, prompts, strict=True) for _ in range(body.n)
             ]
         if body.stream:
-            return EngineStream(error_terminated(self._stream_completion(job)), job.submission.abort)
+            return EngineStream(
+                error_terminated(self._stream_completion(job)), job.submission.abort, job.headers
+            )
         choices = await self._collect(job, http)
         if body.prompt_only:
             for c in choices:
@@ -137,7 +145,8 @@ class Serving:
             R.completion_body(
                 rid, job.created, body.model, choices, body.n, self.token_text, body.logprobs is not None,
                 job.echoes,
-            )
+            ),
+            headers=job.headers,
         )  # fmt: skip
 
     async def chat(self, body: ChatCompletionRequest, http: HTTPRequest, tenant: str) -> Response:
@@ -148,11 +157,12 @@ class Serving:
             prompt = await asyncio.to_thread(self._render_chat, body.chat_messages(), body.functions())
             job = self._submit(body, [prompt], rid, tenant)
         if body.stream:
-            return EngineStream(error_terminated(self._stream_chat(job)), job.submission.abort)
+            return EngineStream(error_terminated(self._stream_chat(job)), job.submission.abort, job.headers)
         choices = await self._collect(job, http)
         fmt = self.tool_format if body.calls_tools else None
         return JSONResponse(
-            R.chat_body(rid, job.created, body.model, choices, body.n, self.token_text, body.logprobs, fmt)
+            R.chat_body(rid, job.created, body.model, choices, body.n, self.token_text, body.logprobs, fmt),
+            headers=job.headers,
         )
 
     async def tokenize(self, body: TokenizeRequest, http: HTTPRequest, tenant: str) -> Response:
@@ -234,15 +244,20 @@ class Serving:
             sampling_params(body, len(ids), limits, j, grammar) for ids in prompts for j in range(body.n)
         ]
         input_param = "messages" if isinstance(body, ChatCompletionRequest) else "prompt"
+        num_tokens = sum(len(ids) + p.max_tokens for ids, p in zip(expanded, params, strict=True))
+        headers = self.gate.admit(tenant, len(expanded), num_tokens)
         try:
             submission = self.engine.submit(expanded, params, rid, tenant, user=body.user)
         except AdmissionError as e:
+            self.gate.refund(tenant, num_tokens)
             raise from_admission(e, input_param, limits) from e
         except QueueFull as e:
+            self.gate.refund(tenant, num_tokens)
             raise overloaded(self.settings.retry_after_s, str(e)) from e
         except EngineUnavailable as e:
+            self.gate.refund(tenant, num_tokens)
             raise unavailable(str(e)) from e
-        return _Job(body, rid, int(time.time()), len(expanded), submission)
+        return _Job(body, rid, int(time.time()), len(expanded), submission, headers=headers)
 
     # ---- non-streaming --------------------------------------------------------------------------------
 

@@ -1,0 +1,110 @@
+"""Fairness across tenants: virtual token counters (VTC: Sheng et al., "Fairness in Serving Large Language Models",
+OSDI 2024) for who runs next, and KV page shares (a guaranteed minimum, a maximum) for who holds the pool.
+
+Boundary: plain data over tenant names; no torch, no pages of its own. The scheduler (engine/scheduler.py) tells
+it what each tenant computed and asks it: which backlogged tenant goes next (`next_tenant`), whether a tenant may
+take more pages now (`may_take`), and whose running request to preempt (`victim`).
+
+Counters. A tenant's counter is the service it received in weighted tokens: a prompt token computed costs
+`PREFILL_COST`, an output token `DECODE_COST` (the paper's w_p = 1, w_q = 2), divided by the tenant's weight. The
+backlogged tenant with the smallest counter is served first. A tenant that becomes backlogged again is lifted to
+the smallest counter among the backlogged tenants (it cannot bank the service it did not ask for while idle), so
+two backlogged tenants' counters stay within a bound set by one step's and one request's work (tests assert it).
+
+Pages. `min_pages` are guaranteed: while a tenant with a guarantee is backlogged, pages it is short of it are
+reserved (others may not take them), and preemption never takes a tenant below it. `max_pages` caps a tenant.
+Preemption takes from the tenant furthest above its share: its weight's part of the pool among the backlogged
+tenants, and never less than its guarantee.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+PREFILL_COST = 1.0
+DECODE_COST = 2.0
+
+
+@dataclass(frozen=True, slots=True)
+class TenantShare:
+    """One tenant's part of the engine (from the API keys file, kvfence/server/tenants.py)."""
+
+    weight: float = 1.0
+    min_pages: int = 0
+    max_pages: int | None = None
+
+    def __post_init__(self) -> None:
+        if not self.weight > 0:
+            raise ValueError(f"weight must be positive, got {self.weight}")
+        if self.min_pages < 0 or (self.max_pages is not None and self.max_pages < max(1, self.min_pages)):
+            raise ValueError(
+                f"min_pages must be >= 0 and max_pages >= max(1, min_pages), got {self.min_pages}, "
+                f"{self.max_pages}"
+            )
+
+
+DEFAULT_SHARE = TenantShare()
+
+
+class Fairness:
+    """Counters and shares for one engine's tenants. `enabled` False: first come, first served (the counters
+    still count, for metrics; no reservation, no cap beyond the pool, preemption from the back)."""
+
+    def __init__(self, shares: Mapping[str, TenantShare], pool_pages: int, enabled: bool = True) -> None:
+        guaranteed = sum(s.min_pages for s in shares.values())
+        if guaranteed > pool_pages:
+            raise ValueError(f"tenants' min_pages add up to {guaranteed}, more than the pool's {pool_pages}")
+        self.shares = dict(shares)
+        self.pool_pages = pool_pages
+        self.enabled = enabled
+        self.counters: dict[str, float] = {}
+
+    def share(self, tenant: str) -> TenantShare:
+        return self.shares.get(tenant, DEFAULT_SHARE)
+
+    # ---- counters -------------------------------------------------------------------------------------
+
+    def activate(self, tenant: str, backlogged: Iterable[str]) -> None:
+        """`tenant` has work again after none: lift its counter to the smallest of the backlogged tenants'."""
+        others = [self.counters.get(t, 0.0) for t in backlogged if t != tenant]
+        current = self.counters.get(tenant, 0.0)
+        self.counters[tenant] = max(current, min(others)) if others else current
+
+    def charge(self, tenant: str, prompt_tokens: int, output_tokens: int) -> None:
+        cost = prompt_tokens * PREFILL_COST + output_tokens * DECODE_COST
+        self.counters[tenant] = self.counters.get(tenant, 0.0) + cost / self.share(tenant).weight
+
+    def next_tenant(self, candidates: Iterable[str]) -> str:
+        """The tenant to serve first among `candidates` (smallest counter; ties by name, deterministic)."""
+        return min(candidates, key=lambda t: (self.counters.get(t, 0.0), t))
+
+    # ---- pages ----------------------------------------------------------------------------------------
+
+    def may_take(
+        self, tenant: str, pages: int, free: int, held: Mapping[str, int], backlogged: set[str]
+    ) -> bool:
+        """Whether `tenant` may lease `pages` more now, with `free` pages free and `held` pages per tenant: within
+        its cap, and leaving the pages other backlogged tenants are short of their guarantees."""
+        if not self.enabled:
+            return pages <= free
+        cap = self.share(tenant).max_pages
+        if cap is not None and held.get(tenant, 0) + pages > cap:
+            return False
+        reserved = sum(max(0, self.share(t).min_pages - held.get(t, 0)) for t in backlogged if t != tenant)
+        return pages <= free - reserved
+
+    def fair_pages(self, tenant: str, backlogged: set[str]) -> float:
+        """The tenant's share of the pool among the backlogged tenants (by weight), at least its guarantee."""
+        weights = sum(self.share(t).weight for t in backlogged | {tenant})
+        return max(self.share(tenant).min_pages, self.pool_pages * self.share(tenant).weight / weights)
+
+    def victim(
+        self, held: Mapping[str, int], candidates: Mapping[str, int], backlogged: set[str]
+    ) -> str | None:
+        """The tenant to preempt from: among `candidates` (tenant -> pages its preemptible request would free),
+        the one furthest above its share whose preemption keeps it at or above its guarantee; None if none."""
+        eligible = [t for t, pages in candidates.items() if held.get(t, 0) - pages >= self.share(t).min_pages]
+        if not eligible:
+            return None
+        return max(eligible, key=lambda t: (held.get(t, 0) - self.fair_pages(t, backlogged), t))

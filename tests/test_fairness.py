@@ -1,0 +1,237 @@
+"""Tenant fairness (engine/fairness.py, engine/scheduler.py) and limits (server/tenants.py), asserted on
+scheduling decisions and counters, never on wall-clock time.
+
+- Two backlogged tenants: under vtc their virtual token counters stay within a bound (one request's prefill plus
+  one step's work, doubled); under fcfs the tenant that came first takes everything (the control).
+- A tenant's guaranteed pages stay free for it while it has work, whatever another tenant floods; a capped tenant
+  never holds more than its cap; preemption never takes a tenant below its guarantee.
+- Limits from the keys file give 429 with Retry-After and x-ratelimit-* headers before anything is queued or
+  allocated.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import httpx
+import pytest
+
+from kvfence.engine.fairness import DECODE_COST, PREFILL_COST, Fairness, TenantShare
+from kvfence.engine.request import SamplingParams
+from kvfence.server.tenants import TenantGate, TenantLimits, load_keys_file
+from tests.conftest import make_engine
+from tests.server_harness import MODEL, running_server
+
+PROMPT_A, PROMPT_B = 48, 16  # tokens: A sends long prompts, B short ones
+BUDGET = 64  # max_num_batched_tokens
+
+
+def flood(tiny_model, policy: str, shares: dict[str, TenantShare] | None = None, **overrides: Any):
+    """Tenant A queues 24 requests first, then tenant B 24: both stay backlogged for a while."""
+    engine = make_engine(tiny_model, policy=policy, max_num_batched_tokens=BUDGET, max_num_seqs=8,
+                         prefill_batch_tokens=0, **overrides)  # fmt: skip
+    engine.scheduler.fairness.shares.update(shares or {})
+    vocab = tiny_model.config.vocab_size
+    for i in range(24):
+        ids = [(i * 7 + j) % (vocab - 3) + 3 for j in range(PROMPT_A)]
+        engine.add_request(ids, SamplingParams(max_tokens=8, ignore_eos=True), f"a{i}", tenant="A")
+    for i in range(24):
+        ids = [(i * 11 + j) % (vocab - 3) + 3 for j in range(PROMPT_B)]
+        engine.add_request(ids, SamplingParams(max_tokens=8, ignore_eos=True), f"b{i}", tenant="B")
+    return engine
+
+
+def steps(engine, limit: int = 400):
+    """Step the engine, yielding after each step (integrity checked)."""
+    for _ in range(limit):
+        if not engine.has_unfinished():
+            return
+        engine.step()
+        engine.check_integrity()
+        yield engine
+
+
+# ---- virtual token counters ----------------------------------------------------------------------------
+
+
+def test_two_backlogged_tenants_stay_within_the_vtc_bound(tiny_model):
+    bound = 2 * max(PREFILL_COST * max(PROMPT_A, BUDGET), DECODE_COST * 8 * 8)
+    widest, both = 0.0, 0
+    for engine in steps(flood(tiny_model, "vtc")):
+        backlogged = engine.scheduler.backlogged()
+        if {"A", "B"} <= backlogged:
+            both += 1
+            c = engine.scheduler.fairness.counters
+            widest = max(widest, abs(c["A"] - c["B"]))
+    assert both > 10 and widest <= bound, (both, widest, bound)
+
+
+def test_under_fcfs_the_first_tenant_takes_the_service_the_control(tiny_model):
+    bound = 2 * max(PREFILL_COST * max(PROMPT_A, BUDGET), DECODE_COST * 8 * 8)
+    widest = 0.0
+    for engine in steps(flood(tiny_model, "fcfs")):
+        if {"A", "B"} <= engine.scheduler.backlogged():
+            c = engine.scheduler.fairness.counters
+            widest = max(widest, abs(c.get("A", 0) - c.get("B", 0)))
+    assert widest > bound
+
+
+def test_b_starts_before_a_finishes_under_vtc_and_after_under_fcfs(tiny_model):
+    def a_done_when_b_starts(policy: str) -> int:
+        for engine in steps(flood(tiny_model, policy)):
+            s = engine.scheduler
+            if "B" in {r.tenant for r in s.running}:
+                return 24 - sum(1 for r in [*s.waiting, *s.running] if r.tenant == "A")
+        raise AssertionError("B never ran")
+
+    a_done_vtc = a_done_when_b_starts("vtc")
+    a_done_fcfs = a_done_when_b_starts("fcfs")
+    assert a_done_vtc == 0 and a_done_fcfs >= 16  # fcfs: B waits behind A's queue
+
+
+def test_a_tenant_that_comes_back_cannot_bank_idle_service():
+    f = Fairness({}, pool_pages=100)
+    f.charge("A", 1000, 0)
+    f.charge("B", 10, 0)
+    f.activate("C", {"A", "B"})  # C arrives while A and B are backlogged: starts at the smallest, B's
+    assert f.counters["C"] == f.counters["B"]
+    f.charge("C", 5000, 0)
+    f.activate("B", {"A", "C"})  # B comes back after idling: lifted to A's (the smaller of A, C)
+    assert f.counters["B"] == f.counters["A"]
+    assert f.next_tenant({"A", "B", "C"}) == "A"  # ties by name
+
+
+def test_weights_divide_the_charge():
+    f = Fairness({"gold": TenantShare(weight=4.0)}, pool_pages=10)
+    f.charge("gold", 400, 0)
+    f.charge("bronze", 100, 0)
+    assert f.counters["gold"] == f.counters["bronze"] == 100.0
+
+
+# ---- pages: guarantees, caps, preemption ---------------------------------------------------------------
+
+
+def test_a_guarantee_stays_free_for_its_tenant_while_another_floods(tiny_model):
+    """B is guaranteed 24 pages of a pool of 48; A floods it with long requests. While B has work, A never holds
+    more than the other 24 (vtc); under fcfs A takes far more (the control)."""
+
+    def most_a_holds(policy: str) -> int:
+        top = 0
+        for engine in steps(flood(tiny_model, policy, {"B": TenantShare(min_pages=24)}, kv_pages=48)):
+            if "B" in engine.scheduler.backlogged():
+                top = max(top, engine.scheduler.held_pages().get("A", 0))
+        return top
+
+    assert 0 < most_a_holds("vtc") <= 24 < most_a_holds("fcfs")
+
+
+def test_a_capped_tenant_never_holds_more_than_its_cap(tiny_model):
+    shares = {"A": TenantShare(max_pages=20)}
+    top = 0
+    for engine in steps(flood(tiny_model, "vtc", shares, kv_pages=96)):
+        top = max(top, engine.scheduler.held_pages().get("A", 0))
+    assert 0 < top <= 20
+
+
+def test_preemption_takes_from_the_tenant_furthest_above_its_share():
+    f = Fairness({"B": TenantShare(min_pages=10)}, pool_pages=40)
+    held = {"A": 28, "B": 12}
+    # A is 8 above its half of the pool, B is 8 below: A goes
+    assert f.victim(held, {"A": 4, "B": 4}, {"A", "B"}) == "A"
+    # preempting B's request would take it below its guarantee: never, even if it were the only candidate
+    assert f.victim(held, {"B": 4}, {"A", "B"}) is None
+    assert f.victim({"A": 8, "B": 32}, {"A": 4, "B": 4}, {"A", "B"}) == "B"
+
+
+def test_guarantees_beyond_the_pool_are_refused():
+    with pytest.raises(ValueError, match="more than the pool"):
+        Fairness({"A": TenantShare(min_pages=30), "B": TenantShare(min_pages=30)}, pool_pages=50)
+
+
+# ---- the keys file --------------------------------------------------------------------------------------
+
+
+def test_the_keys_file_takes_tables_with_limits_and_refuses_unknown_fields(tmp_path):
+    good = tmp_path / "keys.toml"
+    good.write_text(
+        '[tenants.alice]\nkeys = ["ka1", "ka2"]\nweight = 2\nmin_pages = 8\nmax_pages = 64\nmax_in_flight = 4\n'
+        'requests_per_minute = 60\ntokens_per_minute = 1000\n[tenants.bob]\nkeys = ["kb"]\n'
+    )
+    f = load_keys_file(good)
+    assert f.keys == {"ka1": "alice", "ka2": "alice", "kb": "bob"}
+    assert f.shares["alice"] == TenantShare(2.0, 8, 64) and f.shares["bob"] == TenantShare()
+    assert f.limits["alice"] == TenantLimits(4, 60, 1000) and not f.limits["bob"].any
+    flat = tmp_path / "flat.json"
+    flat.write_text(json.dumps({"k1": "t1"}))
+    assert load_keys_file(flat).keys == {"k1": "t1"}
+    for bad, why in [
+        ('[tenants.a]\nkeys = ["k"]\nburst = 5\n', "unknown fields"),
+        ('[tenants.a]\nkeys = ["k"]\n[tenants.b]\nkeys = ["k"]\n', "listed twice"),
+        ('[tenants.a]\nkeys = ["k"]\nmax_in_flight = 0\n', "max_in_flight"),
+        ('[tenants.a]\nkeys = ["k"]\nweight = -1\n', "weight"),
+        ("[tenants.a]\nkeys = []\n", "keys"),
+        ('[tenants.a]\nkeys = ["k"]\nmin_pages = 9\nmax_pages = 4\n', "max_pages"),
+    ]:
+        path = tmp_path / "bad.toml"
+        path.write_text(bad)
+        with pytest.raises(ValueError, match=why):
+            load_keys_file(path)
+
+
+# ---- 429s at the front door -----------------------------------------------------------------------------
+
+
+def test_the_gate_limits_rates_and_says_when_to_retry():
+    now = [0.0]
+    in_flight = {"a": 0}
+    gate = TenantGate({"a": TenantLimits(max_in_flight=2, requests_per_minute=3, tokens_per_minute=600)},
+                      in_flight.__getitem__, clock=lambda: now[0])  # fmt: skip
+    headers = gate.admit("a", 1, 100)
+    assert (
+        headers["x-ratelimit-remaining-requests"] == "2" and headers["x-ratelimit-remaining-tokens"] == "500"
+    )
+    in_flight["a"] = 2
+    with pytest.raises(Exception) as e:
+        gate.admit("a", 1, 100)
+    assert e.value.status == 429 and e.value.headers["Retry-After"] == "1"  # type: ignore[attr-defined]
+    in_flight["a"] = 0
+    gate.admit("a", 1, 100)
+    gate.admit("a", 1, 100)
+    with pytest.raises(Exception) as e:  # 3 requests in the last minute
+        gate.admit("a", 1, 100)
+    assert e.value.code == "rate_limit_exceeded" and int(e.value.headers["Retry-After"]) == 60  # type: ignore[attr-defined]
+    now[0] = 61.0
+    gate.admit("a", 1, 590)  # the bucket refilled to 600
+    with pytest.raises(Exception) as e:
+        gate.admit("a", 1, 100)  # 10 left; 90 more take 9 s at 10 tokens/s
+    assert e.value.headers["Retry-After"] == "9"  # type: ignore[attr-defined]
+    with pytest.raises(Exception) as e:
+        gate.admit("a", 1, 601)  # more than a minute's worth: never, so no Retry-After
+    assert e.value.status == 429 and "Retry-After" not in e.value.headers  # type: ignore[attr-defined]
+    assert gate.admit("unlimited", 5, 10**9) == {}
+
+
+def test_a_limited_tenant_gets_429_before_anything_is_allocated(tiny_model):
+    limits = {"tenant-a": TenantLimits(requests_per_minute=2, tokens_per_minute=400)}
+    with running_server(
+        tiny_model, api_keys={"key-a": "tenant-a", "key-b": "tenant-b"}, tenant_limits=limits
+    ) as srv:
+
+        def post(key: str, **extra: Any) -> httpx.Response:
+            body = {"model": MODEL, "prompt": "hello", "max_tokens": 4, **extra}
+            return httpx.post(f"{srv.base_url}/completions", json=body, timeout=60,
+                              headers={"Authorization": f"Bearer {key}"})  # fmt: skip
+
+        ok = post("key-a")
+        assert ok.status_code == 200 and ok.headers["x-ratelimit-limit-requests"] == "2"
+        assert post("key-a").status_code == 200
+        before = srv.pool_stats()
+        refused = post("key-a")
+        assert refused.status_code == 429 and refused.json()["error"]["code"] == "rate_limit_exceeded"
+        assert int(refused.headers["Retry-After"]) >= 1 and "x-ratelimit-reset-requests" in refused.headers
+        assert srv.pool_stats() == before
+        too_big = post("key-b", max_tokens=4)  # another tenant is not limited by A's use
+        assert too_big.status_code == 200 and "x-ratelimit-limit-requests" not in too_big.headers
+        assert srv.metric("kvfence_requests_total", outcome="rejected", reason="rate_limit_exceeded",
+                          tenant="tenant-a") == 1  # fmt: skip
