@@ -21,7 +21,7 @@ from kvfence.engine.fairness import DECODE_COST, PREFILL_COST, Fairness, TenantS
 from kvfence.engine.request import SamplingParams
 from kvfence.server.tenants import TenantGate, TenantLimits, load_keys_file
 from tests.conftest import make_engine
-from tests.server_harness import MODEL, running_server
+from tests.server_harness import MODEL, SCRAPE_KEY, running_server
 
 PROMPT_A, PROMPT_B = 48, 16  # tokens: A sends long prompts, B short ones
 BUDGET = 64  # max_num_batched_tokens
@@ -219,7 +219,7 @@ def test_a_limited_tenant_gets_429_before_anything_is_allocated(tiny_model):
     ) as srv:
 
         def post(key: str, **extra: Any) -> httpx.Response:
-            body = {"model": MODEL, "prompt": "hello", "max_tokens": 4, **extra}
+            body = {"model": MODEL, "prompt": "hello", "max_tokens": 4, "ignore_eos": True, **extra}
             return httpx.post(f"{srv.base_url}/completions", json=body, timeout=60,
                               headers={"Authorization": f"Bearer {key}"})  # fmt: skip
 
@@ -235,3 +235,10 @@ def test_a_limited_tenant_gets_429_before_anything_is_allocated(tiny_model):
         assert too_big.status_code == 200 and "x-ratelimit-limit-requests" not in too_big.headers
         assert srv.metric("kvfence_requests_total", outcome="rejected", reason="rate_limit_exceeded",
                           tenant="tenant-a") == 1  # fmt: skip
+        # per-tenant metrics: tokens served, time to first token, the scheduler's counters
+        assert srv.metric("kvfence_tenant_tokens_total", tenant="tenant-a", kind="completion") == 8
+        assert srv.metric("kvfence_tenant_time_to_first_token_seconds_count", tenant="tenant-b") == 1
+        scraped = httpx.get(f"{srv.url}/metrics", headers={"Authorization": f"Bearer {SCRAPE_KEY}"}).text
+        lines = dict(line.rsplit(" ", 1) for line in scraped.splitlines() if line.startswith("kvfence_tenant_"))
+        assert float(lines['kvfence_tenant_virtual_tokens_total{tenant="tenant-a"}']) > 0
+        assert float(lines['kvfence_tenant_kv_pages{tenant="tenant-a"}']) == 0  # nothing running now

@@ -35,7 +35,7 @@ from kvfence.engine.output import OutputProcessor, RequestOutput
 from kvfence.engine.plan import Plan, StepResult
 from kvfence.engine.request import Request, RequestState, SamplingParams
 from kvfence.engine.scheduler import Scheduled, Scheduler
-from kvfence.engine.stats import EngineSnapshot, EngineStats
+from kvfence.engine.stats import EngineSnapshot, EngineStats, TenantSnapshot
 from kvfence.faults import Faults
 from kvfence.ids import PageId, RequestId
 from kvfence.kv.integrity import ReadSet, StepReads, Violation, WriteSet, check_writes
@@ -406,7 +406,22 @@ class LLMEngine(PDHandover):
             pages_checked=self.stats.pages_checked,
             outcomes=dict(self.stats.outcomes),
             prefix_cache=cache.stats() if cache is not None else None,
+            tenants=self._tenant_snapshots(),
         )
+
+    def _tenant_snapshots(self) -> dict[str, TenantSnapshot]:
+        s = self.scheduler
+        held = s.held_pages()
+        tenants = set(s.fairness.counters) | s.backlogged()
+        return {
+            t: TenantSnapshot(
+                pages=held.get(t, 0),
+                running=sum(1 for r in s.running if r.tenant == t),
+                waiting=sum(1 for r in s.waiting if r.tenant == t),
+                virtual_tokens=s.fairness.counters.get(t, 0.0),
+            )
+            for t in sorted(tenants)
+        }
 
     def _page_bytes(self, page: PageId) -> bytes:
         return self.runner.cache.read_page(page)

@@ -27,6 +27,16 @@ class EngineStats:
 
 
 @dataclass(frozen=True, slots=True)
+class TenantSnapshot:
+    """One tenant in the scheduler, between steps (engine/fairness.py)."""
+
+    pages: int  # held by its running requests
+    running: int
+    waiting: int
+    virtual_tokens: float  # its virtual token counter: weighted service received
+
+
+@dataclass(frozen=True, slots=True)
 class EngineSnapshot:
     num_running: int
     num_waiting: int
@@ -36,3 +46,4 @@ class EngineSnapshot:
     pages_checked: int
     outcomes: dict[str, int] = field(default_factory=dict)
     prefix_cache: PrefixCacheStats | None = None  # None when the engine runs without a prefix cache
+    tenants: dict[str, TenantSnapshot] = field(default_factory=dict)

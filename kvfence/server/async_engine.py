@@ -62,7 +62,7 @@ class RequestEnd:
 
 
 class Observer(Protocol):
-    def on_first_token(self, seconds: float) -> None: ...
+    def on_first_token(self, seconds: float, tenant: str) -> None: ...
     def on_inter_token(self, seconds: float) -> None: ...
     def on_request_end(self, end: RequestEnd) -> None: ...
 
@@ -308,14 +308,14 @@ class AsyncEngine:
     def _dispatch(self, outputs: list[RequestOutput], now: float) -> None:
         batches: dict[Submission, list[Item]] = {}
         ended: list[tuple[_Tracked, RequestOutput]] = []
-        timings: list[tuple[bool, float]] = []
+        timings: list[tuple[bool, float, str]] = []
         with self._cond:
             for out in outputs:
                 t = self._tracked.get(out.request_id)
                 if t is None:
                     continue  # its submission was withdrawn
                 if out.new_token_ids:
-                    timings.append((t.first is None, now - (t.last or t.submitted)))
+                    timings.append((t.first is None, now - (t.last or t.submitted), t.request.tenant))
                     t.first, t.last = t.first or now, now
                 t.num_output_tokens = out.num_output_tokens
                 if out.finished:
@@ -327,13 +327,16 @@ class AsyncEngine:
         self._observe(timings, ended, now)
 
     def _observe(
-        self, timings: list[tuple[bool, float]], ended: list[tuple[_Tracked, RequestOutput]], now: float
+        self, timings: list[tuple[bool, float, str]], ended: list[tuple[_Tracked, RequestOutput]], now: float
     ) -> None:
         if self.observer is None:
             return
         try:
-            for first, seconds in timings:
-                (self.observer.on_first_token if first else self.observer.on_inter_token)(seconds)
+            for first, seconds, tenant in timings:
+                if first:
+                    self.observer.on_first_token(seconds, tenant)
+                else:
+                    self.observer.on_inter_token(seconds)
             for t, out in ended:
                 ttft = None if t.first is None else t.first - t.submitted
                 self.observer.on_request_end(

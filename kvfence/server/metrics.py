@@ -62,6 +62,13 @@ class ServerMetrics:
             buckets=_LATENCY_BUCKETS,
             registry=self.registry,
         )
+        self.tenant_ttft = Histogram(
+            "kvfence_tenant_time_to_first_token_seconds",
+            "Submission to first token, per tenant (queueing included: what a noisy neighbour costs)",
+            ["tenant"],
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
         self.itl = Histogram(
             "kvfence_inter_token_latency_seconds",
             "Time between two outputs of one request",
@@ -70,6 +77,12 @@ class ServerMetrics:
         )
         self._engine = _EngineCollector()
         self.registry.register(self._engine)
+        self.tenant_tokens = Counter(
+            "kvfence_tenant_tokens",
+            "Tokens served per tenant (requests that ended), prompt or completion",
+            ["tenant", "kind"],
+            registry=self.registry,
+        )
         self._usage: dict[str, dict[str, int]] = {}  # tenant -> its own counters (GET /v1/usage)
         self._usage_lock = threading.Lock()
 
@@ -87,6 +100,8 @@ class ServerMetrics:
         return {**counts, "prefix_cache": hits}
 
     def _count_usage(self, tenant: str, prompt_tokens: int, completion_tokens: int) -> None:
+        self.tenant_tokens.labels(tenant, "prompt").inc(prompt_tokens)
+        self.tenant_tokens.labels(tenant, "completion").inc(completion_tokens)
         with self._usage_lock:
             u = self._usage.setdefault(tenant, {"requests": 0, "prompt_tokens": 0, "completion_tokens": 0})
             u["requests"] += 1
@@ -95,8 +110,9 @@ class ServerMetrics:
 
     # ---- the AsyncEngine observer (engine thread) -------------------------------------------------------
 
-    def on_first_token(self, seconds: float) -> None:
+    def on_first_token(self, seconds: float, tenant: str) -> None:
         self.ttft.observe(seconds)
+        self.tenant_ttft.labels(tenant).observe(seconds)
 
     def on_inter_token(self, seconds: float) -> None:
         self.itl.observe(seconds)
@@ -177,6 +193,8 @@ class _EngineCollector(Collector):
         yield _counter("kvfence_integrity_failures", "Requests failed by an I1 check", s.integrity_failures)
         if s.prefix_cache is not None:
             yield from _prefix_cache_metrics(s.prefix_cache)
+        if s.tenants:
+            yield from _tenant_metrics(s)
 
     def describe(self) -> Iterator[Metric]:
         return iter(())
@@ -206,6 +224,24 @@ def _prefix_cache_metrics(c: PrefixCacheStats) -> Iterator[Metric]:
         hits.add_metric([tenant], t.hit_tokens)
         rate.add_metric([tenant], t.hit_tokens / t.queried_tokens if t.queried_tokens else 0.0)
     yield from (queried, hits, rate)
+
+
+def _tenant_metrics(s: EngineSnapshot) -> Iterator[Metric]:
+    families: dict[str, GaugeMetricFamily | CounterMetricFamily] = {
+        "pages": GaugeMetricFamily("kvfence_tenant_kv_pages", "KV pages a tenant's running requests hold",
+                                   labels=["tenant"]),
+        "running": GaugeMetricFamily("kvfence_tenant_requests_running", "A tenant's requests in the running batch",
+                                     labels=["tenant"]),
+        "waiting": GaugeMetricFamily("kvfence_tenant_requests_waiting", "A tenant's requests waiting to run",
+                                     labels=["tenant"]),
+        "virtual_tokens": CounterMetricFamily(
+            "kvfence_tenant_virtual_tokens", "A tenant's virtual token counter: weighted service received "
+            "(prompt tokens x1, output tokens x2, divided by its weight; docs/fairness.md)", labels=["tenant"]),
+    }  # fmt: skip
+    for tenant, t in s.tenants.items():
+        for key, family in families.items():
+            family.add_metric([tenant], getattr(t, key))
+    yield from families.values()
 
 
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
