@@ -5,6 +5,9 @@
 #   bench/peers.sh structured   # W1 with and without a JSON schema on every request (bench/serve.py --structured
 #                               # json_schema), kvfence colocated and vLLM, both in one run (issue 24);
 #                               # STRUCTURED_ROUNDS=N alternating rounds (default 2)
+#   bench/peers.sh fairness     # noisy neighbour (bench/fairness.py): tenant B's W1 alone and while tenant A
+#                               # floods (16 in flight, 1,700-token prompts; FAIRNESS_HARD=1 adds 64 in flight,
+#                               # 2,000-token prompts), against kvfence vtc, kvfence fcfs and vLLM (issue 25)
 #   bench/peers.sh quality      # llama.cpp's KL divergence of the Q4_1 GGUF against its F32 weights
 #                               # (bench/llamacpp_quality.py; results in $RESULTS/quality, issue 20)
 #   bench/peers.sh rounds N     # N rounds of vLLM against kvfence (colocated and PD), order swapped each round
@@ -302,6 +305,50 @@ for label, r in rows.items():
 PYEOF
 }
 
+fairness_loads() {  # fairness_loads LABEL: bench/fairness.py's loads against the server on $PORT
+  mkdir -p "$RESULTS/fairness"
+  local loads=("16 1700") load
+  [[ ${FAIRNESS_HARD:-0} == 1 ]] && loads+=("64 2000")
+  for load in "${loads[@]}"; do
+    set -- "$1" $load
+    log "$1 fairness: A $2 in flight x $3 tokens (load average: $(cut -d' ' -f1-3 /proc/loadavg))"
+    "$PY" "$ROOT/bench/fairness.py" --base-url "http://127.0.0.1:$PORT" --key-a key-a --key-b key-b \
+      --a-in-flight "$2" --a-prompt-len "$3" --label "$1" --json "$RESULTS/fairness/$1.a$2x$3.json" >/dev/null \
+      || log "$1 fairness had failures"
+  done
+}
+
+run_fairness() {
+  local keys=$RESULTS/fairness-keys.toml policy pid
+  printf '[tenants.a]\nkeys = ["key-a"]\n[tenants.b]\nkeys = ["key-b"]\n' >"$keys"
+  for policy in vtc fcfs; do
+    "$ROOT/.venv/bin/kvfence" serve --port "$PORT" --threads "$THREADS" --dtype bfloat16 --api-keys "$keys" \
+      --scheduling-policy "$policy" >"$RESULTS/kvfence-fairness-$policy.log" 2>&1 &
+    pid=$!
+    wait_healthy "http://127.0.0.1:$PORT/health" "$pid" 300 && fairness_loads "kvfence-$policy"
+    stop "$pid"
+  done
+  install_vllm
+  export_hf
+  VLLM_CPU_OMP_THREADS_BIND=0-$((THREADS - 1)) VLLM_CPU_NUM_OF_RESERVED_CPU=0 VLLM_CPU_KVCACHE_SPACE=2 \
+    "$PEERS/vllm-venv/bin/python" -m vllm.entrypoints.openai.api_server --model "$HF_DIR" \
+    --served-model-name smollm2 --dtype bfloat16 --max-model-len 2048 --port "$PORT" \
+    >"$RESULTS/vllm-fairness.log" 2>&1 &
+  pid=$!
+  wait_healthy "http://127.0.0.1:$PORT/health" "$pid" 600 && warmup && fairness_loads vllm-fcfs
+  stop "$pid"
+  "$PY" - "$RESULTS/fairness" <<'PYEOF'
+import json, pathlib, sys
+print("| server | A's load | B wall flooded / alone | B tok/s ratio | B TTFT p50 flooded / alone | B TTFT p99 flooded / alone | A completed (tok/s) |")
+print("| --- | --- | --- | --- | --- | --- | --- |")
+for f in sorted(pathlib.Path(sys.argv[1]).glob("*.json")):
+    d = json.loads(f.read_text()); a, b0, b1, r = d["a"], d["b_alone"], d["b_flooded"], d["b_ratio"]
+    print(f"| {d['label']} | {a['in_flight']} x {a['prompt_len']} | {b1['wall_s']} / {b0['wall_s']} s = {r['wall']}x | "
+          f"{r['throughput']} | {b1['ttft_p50_ms']} / {b0['ttft_p50_ms']} ms = {r['ttft_p50']}x | "
+          f"{b1['ttft_p99_ms']} / {b0['ttft_p99_ms']} ms = {r['ttft_p99']}x | {a['completed']} ({a['out_tok_s']}) |")
+PYEOF
+}
+
 case "${1:-all}" in
   kvfence) run_kvfence ;;
   vllm) run_vllm ;;
@@ -311,7 +358,8 @@ case "${1:-all}" in
   rounds) run_rounds "${2:-2}" ;;
   quality) run_quality; exit 0 ;;
   structured) run_structured; exit 0 ;;
+  fairness) run_fairness; exit 0 ;;
   all) run_kvfence; run_vllm; run_llamacpp; run_transformers ;;
-  *) echo "usage: $0 [all|kvfence|vllm|llamacpp|transformers|table|rounds N|quality|structured]" >&2; exit 2 ;;
+  *) echo "usage: $0 [all|kvfence|vllm|llamacpp|transformers|table|rounds N|quality|structured|fairness]" >&2; exit 2 ;;
 esac
 print_table
