@@ -7,7 +7,8 @@
 #                               # STRUCTURED_ROUNDS=N alternating rounds (default 2)
 #   bench/peers.sh fairness     # noisy neighbour (bench/fairness.py): tenant B's W1 alone and while tenant A
 #                               # floods (16 in flight, 1,700-token prompts; FAIRNESS_HARD=1 adds 64 in flight,
-#                               # 2,000-token prompts), against kvfence vtc, kvfence fcfs and vLLM (issue 25)
+#                               # 2,000-token prompts), against kvfence vtc, kvfence fcfs and vLLM (issue 25);
+#                               # FAIRNESS_POLICIES="vtc" and FAIRNESS_VLLM=0 narrow it
 #   bench/peers.sh quality      # llama.cpp's KL divergence of the Q4_1 GGUF against its F32 weights
 #                               # (bench/llamacpp_quality.py; results in $RESULTS/quality, issue 20)
 #   bench/peers.sh rounds N     # N rounds of vLLM against kvfence (colocated and PD), order swapped each round
@@ -321,22 +322,24 @@ fairness_loads() {  # fairness_loads LABEL: bench/fairness.py's loads against th
 run_fairness() {
   local keys=$RESULTS/fairness-keys.toml policy pid
   printf '[tenants.a]\nkeys = ["key-a"]\n[tenants.b]\nkeys = ["key-b"]\n' >"$keys"
-  for policy in vtc fcfs; do
+  for policy in ${FAIRNESS_POLICIES:-vtc fcfs}; do
     "$ROOT/.venv/bin/kvfence" serve --port "$PORT" --threads "$THREADS" --dtype bfloat16 --api-keys "$keys" \
       --scheduling-policy "$policy" >"$RESULTS/kvfence-fairness-$policy.log" 2>&1 &
     pid=$!
     wait_healthy "http://127.0.0.1:$PORT/health" "$pid" 300 && fairness_loads "kvfence-$policy"
     stop "$pid"
   done
-  install_vllm
-  export_hf
-  VLLM_CPU_OMP_THREADS_BIND=0-$((THREADS - 1)) VLLM_CPU_NUM_OF_RESERVED_CPU=0 VLLM_CPU_KVCACHE_SPACE=2 \
-    "$PEERS/vllm-venv/bin/python" -m vllm.entrypoints.openai.api_server --model "$HF_DIR" \
-    --served-model-name smollm2 --dtype bfloat16 --max-model-len 2048 --port "$PORT" \
-    >"$RESULTS/vllm-fairness.log" 2>&1 &
-  pid=$!
-  wait_healthy "http://127.0.0.1:$PORT/health" "$pid" 600 && warmup && fairness_loads vllm-fcfs
-  stop "$pid"
+  if [[ ${FAIRNESS_VLLM:-1} == 1 ]]; then
+    install_vllm
+    export_hf
+    VLLM_CPU_OMP_THREADS_BIND=0-$((THREADS - 1)) VLLM_CPU_NUM_OF_RESERVED_CPU=0 VLLM_CPU_KVCACHE_SPACE=2 \
+      "$PEERS/vllm-venv/bin/python" -m vllm.entrypoints.openai.api_server --model "$HF_DIR" \
+      --served-model-name smollm2 --dtype bfloat16 --max-model-len 2048 --port "$PORT" \
+      >"$RESULTS/vllm-fairness.log" 2>&1 &
+    pid=$!
+    wait_healthy "http://127.0.0.1:$PORT/health" "$pid" 600 && warmup && fairness_loads vllm-fcfs
+    stop "$pid"
+  fi
   "$PY" - "$RESULTS/fairness" <<'PYEOF'
 import json, pathlib, sys
 print("| server | A's load | B wall flooded / alone | B tok/s ratio | B TTFT p50 flooded / alone | B TTFT p99 flooded / alone | A completed (tok/s) |")

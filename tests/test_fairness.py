@@ -100,6 +100,9 @@ def test_a_tenant_that_comes_back_cannot_bank_idle_service():
     f.activate("B", {"A", "C"})  # B comes back after idling: lifted to A's (the smaller of A, C)
     assert f.counters["B"] == f.counters["A"]
     assert f.next_tenant({"A", "B", "C"}) == "A"  # ties by name
+    f.charge("D", 90_000, 0)  # D was served alone a while ago...
+    f.activate("D", {"A", "B"})  # ...and carries no debt into a contended period: down to the largest, B's
+    assert f.counters["D"] == f.counters["B"]
 
 
 def test_weights_divide_the_charge():
@@ -239,6 +242,41 @@ def test_a_limited_tenant_gets_429_before_anything_is_allocated(tiny_model):
         assert srv.metric("kvfence_tenant_tokens_total", tenant="tenant-a", kind="completion") == 8
         assert srv.metric("kvfence_tenant_time_to_first_token_seconds_count", tenant="tenant-b") == 1
         scraped = httpx.get(f"{srv.url}/metrics", headers={"Authorization": f"Bearer {SCRAPE_KEY}"}).text
-        lines = dict(line.rsplit(" ", 1) for line in scraped.splitlines() if line.startswith("kvfence_tenant_"))
+        lines = dict(
+            line.rsplit(" ", 1) for line in scraped.splitlines() if line.startswith("kvfence_tenant_")
+        )
         assert float(lines['kvfence_tenant_virtual_tokens_total{tenant="tenant-a"}']) > 0
         assert float(lines['kvfence_tenant_kv_pages{tenant="tenant-a"}']) == 0  # nothing running now
+
+
+def test_a_tenant_ahead_gets_at_most_a_chunk_of_prefill_per_step_and_decodes_never_wait(tiny_model):
+    """While B has work, A's prompt tokens per step stay within one chunk (prefill_batch_tokens) and only while A
+    is within a chunk of B's counter; B's running requests run every step. fcfs: A's prefill fills the budget."""
+
+    def widest_a_prefill(policy: str) -> int:
+        engine = flood(tiny_model, policy)
+        engine.scheduler.config = type(engine.scheduler.config)(
+            max_num_seqs=8, max_num_batched_tokens=BUDGET, prefill_batch_tokens=16, policy=policy
+        )
+        seen, real = [], engine.scheduler.schedule
+
+        def recording():
+            out = real()
+            seen.append((engine.scheduler.backlogged(), out))
+            return out
+
+        engine.scheduler.schedule = recording
+        widest = 0
+        for _ in steps(engine):
+            backlogged, out = seen[-1]
+            a_prefill = sum(s.num_new_tokens for s in out if s.request.tenant == "A" and s.num_new_tokens > 1)
+            if {"A", "B"} <= backlogged:
+                widest = max(widest, a_prefill)
+                b_running = [r for r in engine.scheduler.running if r.tenant == "B"]
+                if policy == "vtc":
+                    assert {s.request.request_id for s in out} >= {
+                        r.request_id for r in b_running if r.num_computed_tokens >= r.num_prompt_tokens
+                    } or not b_running
+        return widest
+
+    assert widest_a_prefill("vtc") <= 16 < widest_a_prefill("fcfs")

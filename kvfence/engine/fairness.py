@@ -7,9 +7,12 @@ take more pages now (`may_take`), and whose running request to preempt (`victim`
 
 Counters. A tenant's counter is the service it received in weighted tokens: a prompt token computed costs
 `PREFILL_COST`, an output token `DECODE_COST` (the paper's w_p = 1, w_q = 2), divided by the tenant's weight. The
-backlogged tenant with the smallest counter is served first. A tenant that becomes backlogged again is lifted to
-the smallest counter among the backlogged tenants (it cannot bank the service it did not ask for while idle), so
-two backlogged tenants' counters stay within a bound set by one step's and one request's work (tests assert it).
+backlogged tenant with the smallest counter is served first. A tenant that becomes backlogged again is brought
+within the backlogged tenants' range: up to the smallest counter (it cannot bank the service it did not ask for
+while idle) and down to the largest (what it got while nobody else wanted service is no debt). So two backlogged
+tenants' counters stay within a bound set by one step's and one request's work (tests assert it). Prompt tokens
+make steps long, so while several tenants have work, a tenant's prefill runs only within one chunk of the least
+served tenant's counter, a chunk per step (`PrefillGate`); decodes always run.
 
 Pages. `min_pages` are guaranteed: while a tenant with a guarantee is backlogged, pages it is short of it are
 reserved (others may not take them), and preemption never takes a tenant below it. `max_pages` caps a tenant.
@@ -47,6 +50,27 @@ class TenantShare:
 DEFAULT_SHARE = TenantShare()
 
 
+class PrefillGate:
+    """One step's prefill tokens per tenant while several tenants have work. Prompt tokens are what makes a step
+    long (on CPU a 1,700-token prefill takes seconds; a decode step of 8 takes tens of milliseconds), and every
+    running request waits for the whole step: so a tenant's prefill runs only while its counter is within one
+    chunk of the smallest backlogged counter, and at most `chunk` of its prompt tokens per step. Decodes are never
+    held back. The tenant furthest behind always gets its chunk (work conserving: a step is never left empty for
+    fairness)."""
+
+    def __init__(self, counters: Mapping[str, float], low: float, chunk: int) -> None:
+        self._counters, self._low, self._chunk = counters, low, chunk
+        self._used: dict[str, int] = {}
+
+    def allowance(self, tenant: str) -> int:
+        if self._counters.get(tenant, self._low) > self._low + self._chunk * PREFILL_COST:
+            return 0
+        return max(0, self._chunk - self._used.get(tenant, 0))
+
+    def take(self, tenant: str, tokens: int) -> None:
+        self._used[tenant] = self._used.get(tenant, 0) + tokens
+
+
 class Fairness:
     """Counters and shares for one engine's tenants. `enabled` False: first come, first served (the counters
     still count, for metrics; no reservation, no cap beyond the pool, preemption from the back)."""
@@ -66,14 +90,23 @@ class Fairness:
     # ---- counters -------------------------------------------------------------------------------------
 
     def activate(self, tenant: str, backlogged: Iterable[str]) -> None:
-        """`tenant` has work again after none: lift its counter to the smallest of the backlogged tenants'."""
+        """`tenant` has work again after none: its counter is brought within the backlogged tenants' range, up to
+        the smallest (it cannot bank service it did not ask for while idle) and down to the largest (service it
+        got while nobody else wanted any is no debt to the tenants waiting now)."""
         others = [self.counters.get(t, 0.0) for t in backlogged if t != tenant]
         current = self.counters.get(tenant, 0.0)
-        self.counters[tenant] = max(current, min(others)) if others else current
+        self.counters[tenant] = min(max(current, min(others)), max(others)) if others else current
 
     def charge(self, tenant: str, prompt_tokens: int, output_tokens: int) -> None:
         cost = prompt_tokens * PREFILL_COST + output_tokens * DECODE_COST
         self.counters[tenant] = self.counters.get(tenant, 0.0) + cost / self.share(tenant).weight
+
+    def prefill_gate(self, backlogged: set[str], chunk: int) -> PrefillGate | None:
+        """This step's prefill allowances (None: no limit, fcfs or a single backlogged tenant)."""
+        if not self.enabled or len(backlogged) < 2:
+            return None
+        low = min(self.counters.get(t, 0.0) for t in backlogged)
+        return PrefillGate({t: self.counters.get(t, 0.0) for t in backlogged}, low, chunk)
 
     def next_tenant(self, candidates: Iterable[str]) -> str:
         """The tenant to serve first among `candidates` (smallest counter; ties by name, deterministic)."""

@@ -97,10 +97,20 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         scheduled: list[Scheduled] = []
         preempted = False
+        gate = self.fairness.prefill_gate(self.backlogged(), self.config.prefill_batch_tokens or budget)
         queue = list(self.running)
+        if (
+            gate is not None
+        ):  # decodes first, in arrival order; then prefill chunks, least served tenant first
+            counters = self.fairness.counters
+            queue.sort(key=lambda r: (r.num_tokens - r.num_computed_tokens > 1, counters.get(r.tenant, 0.0)))
         while queue and budget > 0:
             request = queue.pop(0)
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if gate is not None and num_new > 1:
+                num_new = min(num_new, gate.allowance(request.tenant))
+                if num_new == 0:
+                    continue  # its tenant is ahead: its prompt waits, its pages stay
             while not self._grow(request, num_new):
                 victim = self._victim(queue, request)
                 if victim is not request:
@@ -112,6 +122,8 @@ class Scheduler:
             else:
                 scheduled.append(Scheduled(request, num_new))
                 budget -= num_new
+                if gate is not None and num_new > 1:
+                    gate.take(request.tenant, num_new)
         cap = self.config.prefill_batch_tokens
         prefill = sum(s.num_new_tokens for s in scheduled if s.num_new_tokens > 1)  # running prefills' chunks
         capped: set[str] = set()  # tenants that may not take more pages this step
@@ -122,10 +134,13 @@ class Scheduler:
             request = next_request
             if cap and prefill and prefill + min(request.num_tokens, budget) > cap:
                 break  # this step is full of prefill already; this one goes first in the next step
-            if not self._may_take(request, self.pool.pages_for(min(request.num_tokens, budget))):
+            allowed = budget if gate is None else min(budget, gate.allowance(request.tenant))
+            if allowed == 0 or not self._may_take(
+                request, self.pool.pages_for(min(request.num_tokens, allowed))
+            ):
                 capped.add(request.tenant)
                 continue
-            started = self._start(request, budget)
+            started = self._start(request, allowed)
             if started is None:
                 break
             self.waiting.remove(request)
@@ -134,6 +149,8 @@ class Scheduler:
             scheduled.append(Scheduled(request, started))
             budget -= started
             prefill += started
+            if gate is not None:
+                gate.take(request.tenant, started)
         return scheduled
 
     def _next_waiting(self, capped: set[str]) -> Request | None:
@@ -162,7 +179,8 @@ class Scheduler:
             return queue[-1] if queue else request
         newest: dict[str, Request] = {}
         for r in queue:
-            newest[r.tenant] = r  # the queue runs oldest first
+            if r.tenant not in newest or r.arrival > newest[r.tenant].arrival:
+                newest[r.tenant] = r
         newest.setdefault(request.tenant, request)
         held = self.held_pages()
         tenant = self.fairness.victim(held, {t: len(r.pages) for t, r in newest.items()}, self.backlogged())
