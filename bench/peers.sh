@@ -319,12 +319,13 @@ fairness_loads() {  # fairness_loads LABEL: bench/fairness.py's loads against th
   done
 }
 
-run_fairness() {
+run_fairness() {  # servers: kvfence vtc (equal weights), vtc-w4 (B weighs 4), fcfs; then vLLM
   local keys=$RESULTS/fairness-keys.toml policy pid
-  printf '[tenants.a]\nkeys = ["key-a"]\n[tenants.b]\nkeys = ["key-b"]\n' >"$keys"
-  for policy in ${FAIRNESS_POLICIES:-vtc fcfs}; do
+  for policy in ${FAIRNESS_POLICIES:-vtc vtc-w4 fcfs}; do
+    printf '[tenants.a]\nkeys = ["key-a"]\n[tenants.b]\nkeys = ["key-b"]\n' >"$keys"
+    [[ $policy == vtc-w4 ]] && printf 'weight = 4.0\n' >>"$keys"
     "$ROOT/.venv/bin/kvfence" serve --port "$PORT" --threads "$THREADS" --dtype bfloat16 --api-keys "$keys" \
-      --scheduling-policy "$policy" >"$RESULTS/kvfence-fairness-$policy.log" 2>&1 &
+      --scheduling-policy "${policy%-w4}" >"$RESULTS/kvfence-fairness-$policy.log" 2>&1 &
     pid=$!
     wait_healthy "http://127.0.0.1:$PORT/health" "$pid" 300 && fairness_loads "kvfence-$policy"
     stop "$pid"

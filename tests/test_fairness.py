@@ -280,3 +280,19 @@ def test_a_tenant_ahead_gets_at_most_a_chunk_of_prefill_per_step_and_decodes_nev
         return widest
 
     assert widest_a_prefill("vtc") <= 16 < widest_a_prefill("fcfs")
+
+
+def test_pd_refuses_tenant_shares_it_would_not_apply_and_keeps_limits(tmp_path):
+    """Never accepted and ignored: PD workers do not know weights or page shares, so a PD front door refuses a
+    keys file that sets them (exit 2 at start); limits alone are fine, and colocated takes both."""
+    from kvfence.config import Config
+    from kvfence.runtime.http import front_door_problem
+
+    shares, limits = tmp_path / "shares.toml", tmp_path / "limits.toml"
+    shares.write_text('[tenants.a]\nkeys = ["k"]\nweight = 2.0\n')
+    limits.write_text('[tenants.a]\nkeys = ["k"]\nmax_in_flight = 4\n')
+    pd = lambda path: Config.of(model="m.gguf", api_keys=str(path), mode="pd")  # noqa: E731
+    problem = front_door_problem(pd(shares), "serve")
+    assert problem is not None and "colocated serving only" in problem
+    assert front_door_problem(pd(limits), "serve") is None
+    assert front_door_problem(Config.of(model="m.gguf", api_keys=str(shares)), "serve") is None

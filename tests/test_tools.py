@@ -250,6 +250,8 @@ _CALL = {"id": "call_1", "type": "function", "function": {"name": "add", "argume
         ({"tools": TOOLS + TOOLS[:1]}, "tools"),
         ({"tools": [{"type": "function", "function": {"name": "x", "parameters": {"type": "nope"}}}]}, "tools"),
         ({"tools": [{"type": "custom", "custom": {"name": "x"}}]}, "tools[0].type"),
+        ({"tools": [{"type": "function", "function": {"name": "x", "parameters": {"type": "string"}}}]},
+         "tools[0].function.parameters"),
         ({"tools": [{"type": "function", "function": {"name": "has space"}}]}, "tools[0].function.name"),
         ({"tools": TOOLS, "response_format": {"type": "json_object"}}, "response_format"),
         ({"tools": TOOLS, "structured_outputs": {"regex": "a"}}, "structured_outputs"),

@@ -76,16 +76,26 @@ def serve_http(
 
 def front_door_problem(config: Config, command: str) -> str | None:
     """What stops an HTTP command before anything loads (exit 2): unreadable TLS files, an operator key that is
-    also a tenant's, a bad API keys file."""
-    from kvfence.server.auth import check_distinct, load_api_keys
+    also a tenant's, a bad API keys file, tenant shares a PD router would not apply."""
+    from kvfence.engine.fairness import DEFAULT_SHARE
+    from kvfence.server.auth import check_distinct
+    from kvfence.server.tenants import load_keys_file
 
     server = config.server
     try:
-        keys = load_api_keys(server.api_keys) if server.api_keys else None
-        check_distinct(keys, server.admin_key, server.metrics_key)
+        keys_file = load_keys_file(server.api_keys) if server.api_keys else None
+        check_distinct(keys_file.keys if keys_file else None, server.admin_key, server.metrics_key)
         check_tls(server.ssl_keyfile, server.ssl_certfile)
     except (OSError, ValueError) as exc:
         return f"kvfence {command}: {exc}"
+    pd = command == "router" or config.pd.mode == "pd"
+    shared = sorted(t for t, s in (keys_file.shares if keys_file else {}).items() if s != DEFAULT_SHARE)
+    if pd and shared:  # never accepted and ignored: the workers' schedulers do not know them
+        return (
+            f"kvfence {command}: {server.api_keys}: weight, min_pages and max_pages (tenants {', '.join(shared)}) "
+            "apply to colocated serving only: PD workers do not know them yet (docs/fairness.md); remove them "
+            "or serve colocated (limits: max_in_flight, requests_per_minute, tokens_per_minute work in both)"
+        )
     return None
 
 

@@ -138,6 +138,15 @@ class FunctionDefinition(_Strict):
     parameters: dict[str, Any] | None = None
     strict: bool | None = None  # the arguments always follow `parameters` (the grammar enforces them)
 
+    @field_validator("parameters")
+    @classmethod
+    def _an_object(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        if v is not None and v.get("type", "object") != "object":
+            raise ValueError(
+                "parameters must be the JSON schema of an object (the arguments are a JSON object)"
+            )
+        return v
+
 
 class ToolDefinition(_Strict):
     type: Literal["function"]
