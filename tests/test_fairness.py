@@ -77,9 +77,13 @@ def test_under_fcfs_the_first_tenant_takes_the_service_the_control(tiny_model):
     assert widest > bound
 
 
-def test_b_starts_before_a_finishes_under_vtc_and_after_under_fcfs(tiny_model):
+@pytest.mark.parametrize("kv_pages", [256, 40])  # 40: A's running requests fill the pool
+def test_b_starts_before_a_finishes_under_vtc_and_after_under_fcfs(tiny_model, kv_pages):
+    """vtc: B's first request starts before any of A's finishes; with the pool full of A's requests, by
+    preempting A's newest (A is above its share, B below). fcfs: B waits behind A's queue."""
+
     def a_done_when_b_starts(policy: str) -> int:
-        for engine in steps(flood(tiny_model, policy)):
+        for engine in steps(flood(tiny_model, policy, kv_pages=kv_pages)):
             s = engine.scheduler
             if "B" in {r.tenant for r in s.running}:
                 return 24 - sum(1 for r in [*s.waiting, *s.running] if r.tenant == "A")

@@ -16,7 +16,8 @@ Each step (`schedule`):
      them (on 2 CPU cores, W1's time to first token: 1.06 s batched, 0.40 s serial; docs/performance.md).
 Fairness (`vtc`): a tenant may not lease pages beyond its `max_pages`, nor the pages other backlogged tenants are
 short of their `min_pages`; preemption takes the newest running request of the tenant furthest above its share,
-never one that would take a tenant below its guarantee (`fcfs`: the newest running request).
+never one that would take a tenant below its guarantee (`fcfs`: the newest running request), also to start a
+waiting request of a tenant below its share when the pool is full (fcfs: new requests never preempt).
 `postprocess` charges each tenant's counter for what the step computed, appends sampled tokens, and finishes
 requests on EOS, stop ids, max_tokens or context length.
 `finish` is the only way a request leaves: its pages go back to the pool (quarantine first, see kv/pool.py).
@@ -141,6 +142,8 @@ class Scheduler:
                 capped.add(request.tenant)
                 continue
             started = self._start(request, allowed)
+            if started is None and self._make_room(request, allowed, scheduled):
+                started = self._start(request, allowed)
             if started is None:
                 break
             self.waiting.remove(request)
@@ -185,6 +188,29 @@ class Scheduler:
         held = self.held_pages()
         tenant = self.fairness.victim(held, {t: len(r.pages) for t, r in newest.items()}, self.backlogged())
         return request if tenant is None else newest[tenant]
+
+    def _make_room(self, request: Request, num_new: int, scheduled: list[Scheduled]) -> bool:
+        """vtc, the pool short for a waiting request of a tenant below its share: preempt running requests not in
+        this step (newest first) of the tenant furthest above its share, never below a guarantee, until the
+        request's first chunk fits. True if it now does."""
+        if not self.fairness.enabled:
+            return False
+        need = self.pool.pages_for(min(request.num_tokens, num_new))
+        in_step = {s.request.request_id for s in scheduled}
+        while not self.pool.can_allocate(need):
+            backlogged, held = self.backlogged(), self.held_pages()
+            if held.get(request.tenant, 0) >= self.fairness.fair_pages(request.tenant, backlogged):
+                return False  # at its share already: it waits like anyone else
+            newest: dict[str, Request] = {}
+            for r in self.running:
+                other = r.request_id not in in_step and r.tenant != request.tenant and bool(r.pages)
+                if other and (r.tenant not in newest or r.arrival > newest[r.tenant].arrival):
+                    newest[r.tenant] = r
+            tenant = self.fairness.victim(held, {t: len(r.pages) for t, r in newest.items()}, backlogged)
+            if tenant is None or held.get(tenant, 0) <= self.fairness.fair_pages(tenant, backlogged):
+                return False
+            self._preempt(newest[tenant])
+        return True
 
     def _grow(self, request: Request, num_new: int) -> bool:
         """Lease the pages `request` needs to hold `num_new` more tokens; False if the pool is short or
