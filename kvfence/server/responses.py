@@ -111,17 +111,22 @@ def echo_logprobs(
 ) -> dict[str, Any]:
     """The prompt's part of a completion's logprobs: the first token has none (null), as OpenAI's has."""
     tokens = [token_text(t) for t in echo.token_ids]
-    offsets, at = [], 0
-    for tok in tokens:
-        offsets.append(at)
-        at += len(tok)
     padded = list(entries) + [None] * (len(tokens) - len(entries))
     return {
         "tokens": tokens,
         "token_logprobs": [e[0] if e else None for e in padded],
         "top_logprobs": [{token_text(t): v for t, v in e[1]} if e else None for e in padded],
-        "text_offset": offsets,
+        "text_offset": _offsets(tokens, 0),
     }
+
+
+def _offsets(tokens: list[str], start: int) -> list[int]:
+    """Where each token's text starts, counting from `start`."""
+    out = []
+    for tok in tokens:
+        out.append(start)
+        start += len(tok)
+    return out
 
 
 def join_logprobs(head: dict[str, Any] | None, tail: dict[str, Any]) -> dict[str, Any]:
@@ -150,10 +155,7 @@ def completion_logprobs(
 ) -> dict[str, Any]:
     """Legacy completions format: parallel lists, top alternatives as {token: logprob}."""
     tokens = [token_text(t) for t in token_ids[: len(entries)]]
-    offsets = []
-    for tok in tokens:
-        offsets.append(offset)
-        offset += len(tok)
+    offsets = _offsets(tokens, offset)
     return {
         "tokens": tokens,
         "token_logprobs": [lp for lp, _ in entries],
