@@ -248,7 +248,10 @@ _CALL = {"id": "call_1", "type": "function", "function": {"name": "add", "argume
         ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
         ({"tools": TOOLS, "tool_choice": "any"}, "tool_choice"),
         ({"tools": TOOLS + TOOLS[:1]}, "tools"),
-        ({"tools": [{"type": "function", "function": {"name": "x", "parameters": {"type": "nope"}}}]}, "tools"),
+        ({"tools": [{"type": "function", "function": {"name": "x", "parameters": {"type": "nope"}}}]},
+         "tools[0].function.parameters"),
+        ({"tools": [{"type": "function", "function": {"name": "x", "parameters": {
+            "type": "object", "properties": {"a": {"type": "nope"}}}}}]}, "tools"),  # compiles to no grammar
         ({"tools": [{"type": "custom", "custom": {"name": "x"}}]}, "tools[0].type"),
         ({"tools": [{"type": "function", "function": {"name": "x", "parameters": {"type": "string"}}}]},
          "tools[0].function.parameters"),
