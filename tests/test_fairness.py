@@ -286,17 +286,56 @@ def test_a_tenant_ahead_gets_at_most_a_chunk_of_prefill_per_step_and_decodes_nev
     assert widest_a_prefill("vtc") <= 16 < widest_a_prefill("fcfs")
 
 
-def test_pd_refuses_tenant_shares_it_would_not_apply_and_keeps_limits(tmp_path):
-    """Never accepted and ignored: PD workers do not know weights or page shares, so a PD front door refuses a
-    keys file that sets them (exit 2 at start); limits alone are fine, and colocated takes both."""
-    from kvfence.config import Config
-    from kvfence.runtime.http import front_door_problem
+def test_pd_routers_send_tenant_shares_and_refuse_workers_that_would_not_apply_them():
+    """PD: the router sends the keys file's weights and page shares at registration (each worker's scheduler
+    applies them to its own queue and pool). Never accepted and ignored: a worker running fcfs while tenants have
+    shares, or whose pool cannot hold the guarantees, is refused (counted), and nothing is registered."""
+    from kvfence.pd import control
+    from kvfence.pd.router_core import RouterCore
 
-    shares, limits = tmp_path / "shares.toml", tmp_path / "limits.toml"
-    shares.write_text('[tenants.a]\nkeys = ["k"]\nweight = 2.0\n')
-    limits.write_text('[tenants.a]\nkeys = ["k"]\nmax_in_flight = 4\n')
-    pd = lambda path: Config.of(model="m.gguf", api_keys=str(path), mode="pd")  # noqa: E731
-    problem = front_door_problem(pd(shares), "serve")
-    assert problem is not None and "colocated serving only" in problem
-    assert front_door_problem(pd(limits), "serve") is None
-    assert front_door_problem(Config.of(model="m.gguf", api_keys=str(shares)), "serve") is None
+    shares = {"a": TenantShare(weight=2.0, min_pages=10), "b": TenantShare(max_pages=30)}
+    core = RouterCore(tenants=shares)
+    sent: list[tuple[bytes, control.ControlMessage]] = []
+    core._send = lambda identity, message: sent.append((identity, message))  # type: ignore[method-assign]
+
+    def register(identity: bytes, role: str, **fp: Any) -> control.ControlMessage:
+        base = {"layout": "l", "vocab_size": 10, "context_length": 64, "pool_pages": 64, "page_size": 4,
+                "scheduling_policy": "vtc"}  # fmt: skip
+        core.on_message(identity, control.Register(role, {**base, **fp}))
+        return sent[-1][1]
+
+    answer = register(b"P", "prefill")
+    assert isinstance(answer, control.Registered) and answer.tenants == shares
+    # the message survives the wire, and a malformed share is a malformed frame
+    assert control.decode(control.encode(answer)) == answer
+    frame = control.encode(answer).replace(b'"weight":2.0', b'"weight":-1')
+    with pytest.raises(control.ControlError):
+        control.decode(frame)
+    refused = register(b"D", "decode", scheduling_policy="fcfs")
+    assert isinstance(refused, control.Refused) and "fcfs would not apply" in refused.reason
+    small = register(b"D2", "decode", pool_pages=8)
+    assert isinstance(small, control.Refused) and "min_pages add up to 10" in small.reason
+    assert set(core.workers) == {b"P"} and core.refused["tenant_shares"] == 2
+    # without shares an fcfs worker is welcome (nothing to ignore)
+    plain = RouterCore()
+    plain._send = lambda identity, message: sent.append((identity, message))  # type: ignore[method-assign]
+    fcfs = {"layout": "l", "vocab_size": 10, "context_length": 64, "pool_pages": 8, "page_size": 4,
+            "scheduling_policy": "fcfs"}  # fmt: skip
+    plain.on_message(b"F", control.Register("decode", fcfs))
+    assert isinstance(sent[-1][1], control.Registered) and sent[-1][1].tenants == {}
+
+
+def test_a_request_larger_than_its_tenants_cap_is_refused_at_admission(tiny_model):
+    """I5 with shares: a request whose whole sequence needs more pages than its tenant may hold would wait for
+    pages forever; the engine refuses it (400) before anything is allocated, other tenants' alike requests pass."""
+    from kvfence.engine.errors import TenantCapExceeded
+
+    engine = make_engine(tiny_model, policy="vtc")
+    engine.set_tenants({"capped": TenantShare(max_pages=2)})
+    page = engine.pool.page_size
+    before = engine.pool.stats()
+    with pytest.raises(TenantCapExceeded, match="at most 2 pages"):
+        engine.add_request([5] * (2 * page), SamplingParams(max_tokens=1), "r1", tenant="capped")
+    assert engine.pool.stats() == before and not engine.has_unfinished()
+    engine.add_request([5] * (2 * page), SamplingParams(max_tokens=1), "r2", tenant="other")
+    engine.add_request([5] * (page + 1), SamplingParams(max_tokens=1), "r3", tenant="capped")

@@ -20,6 +20,7 @@ def fingerprint(**changes: Any) -> dict[str, Any]:
         "context_length": 256,
         "pool_pages": 64,
         "page_size": 16,
+        "scheduling_policy": "vtc",
         **changes,
     }
 
@@ -172,7 +173,15 @@ def test_a_tenant_stays_on_its_prefill_worker_until_that_worker_is_clearly_busie
 
 @pytest.mark.parametrize(
     "broken",
-    [{"pool_pages": None}, {"page_size": 0}, {"context_length": "256"}, {"layout": ""}, {"vocab_size": True}],
+    [
+        {"pool_pages": None},
+        {"page_size": 0},
+        {"context_length": "256"},
+        {"layout": ""},
+        {"vocab_size": True},
+        {"scheduling_policy": "lottery"},
+        {"scheduling_policy": None},
+    ],
 )
 def test_a_registration_with_a_malformed_fingerprint_is_refused_and_changes_nothing(broken):
     """A peer's bad input: the fingerprint feeds admission and placement, so a missing or ill-typed field is

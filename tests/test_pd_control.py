@@ -21,7 +21,14 @@ from kvfence.pd.router_core import RouterCore
 from kvfence.sim.nodes import make_engine
 from kvfence.sim.scenario import SimConfig
 
-FP = {"layout": "l", "vocab_size": 64, "context_length": 64, "pool_pages": 24, "page_size": 4}
+FP = {
+    "layout": "l",
+    "vocab_size": 64,
+    "context_length": 64,
+    "pool_pages": 24,
+    "page_size": 4,
+    "scheduling_policy": "vtc",
+}
 
 
 def sample(tp: Any) -> Any:

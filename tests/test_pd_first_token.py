@@ -54,7 +54,14 @@ def test_the_router_takes_only_a_first_token_from_a_prefill_worker():
 
     core = RouterCore()
     core._send = lambda *a, **kw: None  # type: ignore[method-assign]  # no sockets here
-    fp = {"layout": "l", "vocab_size": 10, "context_length": 64, "pool_pages": 16, "page_size": 4}
+    fp = {
+        "layout": "l",
+        "vocab_size": 10,
+        "context_length": 64,
+        "pool_pages": 16,
+        "page_size": 4,
+        "scheduling_policy": "vtc",
+    }
     core.on_message(b"P", control.Register("prefill", fp))
     core.on_message(b"D", control.Register("decode", fp))
     seen: list[RequestOutput] = []

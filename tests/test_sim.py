@@ -80,3 +80,60 @@ def test_without_the_binding_the_compromised_member_is_caught(knob, symptom):
             assert symptom in str(exc), exc
             return
     pytest.fail(f"no violation with {knob} armed in 30 seeds")
+
+
+# ---- fairness across tenants, on the real PD roles (engine/fairness.py, pd/decode_role.py) ----------------------
+
+
+def flooded(policy: str, **overrides):
+    """tenant-a submits 12 requests, then tenant-b 6, on one prefill and one decode worker whose pools hold a
+    few requests at a time: both queues form. Returns the simulation after it ran (every invariant checked)."""
+    from kvfence.sim.cluster import Simulation
+    from kvfence.sim.scenario import SimConfig
+
+    cfg = SimConfig(seed=7, num_prefill=1, num_decode=1, prefill_pages=16, decode_pages=12, num_requests=18,
+                    max_prompt=20, max_tokens=4, p_abort=0.0, flood=True, policy=policy, **overrides)  # fmt: skip
+    sim = Simulation(cfg)
+    sim.run()
+    return sim
+
+
+def starts(sim, kind: str) -> list[str]:
+    """The tenants of the requests in the order a worker of `kind` first computed for them."""
+    return [sim.clients[rid].tenant for node, rid in sim.started if node.startswith(kind)]
+
+
+@pytest.mark.parametrize("kind", ["prefill", "decode"])
+def test_on_both_pd_roles_vtc_starts_the_second_tenant_before_the_flooder_drains(kind):
+    """Asserted on decisions: under vtc tenant-b's first request starts on the worker while tenant-a still has
+    requests to start there; under fcfs (the control) only after all of tenant-a's."""
+    vtc, fcfs = starts(flooded("vtc"), kind), starts(flooded("fcfs"), kind)
+    assert len(vtc) == len(fcfs) == 18
+    last_a = lambda order: max(i for i, t in enumerate(order) if t == "tenant-a")  # noqa: E731
+    assert fcfs.index("tenant-b") > last_a(fcfs), fcfs
+    assert vtc.index("tenant-b") < last_a(vtc) - 3, vtc
+
+
+def test_pd_workers_apply_the_routers_tenant_shares_and_a_cap_holds_on_every_worker():
+    """The router sends the keys file's shares at registration; each worker's scheduler applies them: tenant-a's
+    cap of 6 pages holds on both workers after every event (the simulator checks it), and its requests still end.
+    The control: without the cap tenant-a holds more on both."""
+    sim = flooded("vtc", shares={"tenant-a": {"max_pages": 6}, "tenant-b": {"weight": 2.0, "min_pages": 4}})
+    for worker in sim.live_workers():
+        fairness = worker.engine.scheduler.fairness
+        assert fairness.share("tenant-a").max_pages == 6 and fairness.share("tenant-b").min_pages == 4
+    assert all(c.ended and not c.rejected for c in sim.clients.values())
+    assert max(sim.peak_held[(kind, "tenant-a")] for kind in ("prefill", "decode")) <= 6
+    uncapped = flooded("vtc")
+    assert min(uncapped.peak_held[(kind, "tenant-a")] for kind in ("prefill", "decode")) > 6, (
+        uncapped.peak_held
+    )
+
+
+def test_a_request_larger_than_its_tenants_cap_is_refused_by_the_router_before_anything_is_sent():
+    """Admission (I5) knows the tenant's cap: a request that could never fit it would wait for pages forever."""
+    sim = flooded("vtc", shares={"tenant-a": {"max_pages": 5}})
+    refused = {rid for rid, c in sim.clients.items() if c.rejected}
+    assert refused and all(sim.clients[rid].rejected == "TenantCapExceeded" for rid in refused)
+    assert all(len(sim.clients[rid].prompt) + sim.clients[rid].max_tokens > 20 for rid in refused)
+    assert not {rid for _, rid in sim.started} & refused

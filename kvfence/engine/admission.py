@@ -8,7 +8,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvfence.engine.errors import ContextLengthExceeded, EmptyPromptError, PoolCapacityExceeded
+from kvfence.engine.errors import (
+    ContextLengthExceeded,
+    EmptyPromptError,
+    PoolCapacityExceeded,
+    TenantCapExceeded,
+)
 from kvfence.engine.request import SamplingParams
 
 
@@ -19,9 +24,16 @@ class Limits:
     page_size: int
 
 
-def admit(num_prompt_tokens: int, params: SamplingParams, limits: Limits, prefill_only: bool = False) -> None:
+def admit(
+    num_prompt_tokens: int,
+    params: SamplingParams,
+    limits: Limits,
+    prefill_only: bool = False,
+    max_pages: int | None = None,
+) -> None:
     """Raise an `AdmissionError` subclass if the request can never run; return None if it can.
-    `prefill_only`: this pool holds only the prompt and the first token (a PD prefill worker)."""
+    `prefill_only`: this pool holds only the prompt and the first token (a PD prefill worker). `max_pages`: the
+    most its tenant may hold (max_pages in the keys file, engine/fairness.py), None for no cap."""
     if num_prompt_tokens < 1:
         raise EmptyPromptError()
     total = num_prompt_tokens + params.max_tokens
@@ -33,3 +45,6 @@ def admit(num_prompt_tokens: int, params: SamplingParams, limits: Limits, prefil
     num_pages = -(-total // limits.page_size)
     if num_pages > limits.pool_pages:
         raise PoolCapacityExceeded(total, num_pages, limits.pool_pages, limits.page_size)
+    # the same for its tenant's cap: it would wait for pages its tenant may never hold
+    if max_pages is not None and num_pages > max_pages:
+        raise TenantCapExceeded(total, num_pages, max_pages, limits.page_size)

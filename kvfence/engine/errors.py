@@ -67,6 +67,21 @@ class PoolCapacityExceeded(AdmissionError):
         )
 
 
+class TenantCapExceeded(AdmissionError):
+    """The request's whole sequence needs more pages than its tenant may hold (max_pages in the keys file)."""
+
+    code = "context_length_exceeded"
+    param = "messages"
+
+    def __init__(self, num_tokens: int, num_pages: int, max_pages: int, page_size: int) -> None:
+        self.num_tokens, self.num_pages, self.max_pages = num_tokens, num_pages, max_pages
+        super().__init__(
+            f"This request needs {num_tokens} tokens of KV cache ({num_pages} pages of {page_size}), but your "
+            f"tenant may hold at most {max_pages} pages ({max_pages * page_size} tokens) at once. Please reduce "
+            "the length of the messages or max_tokens."
+        )
+
+
 class InvalidSamplingParams(AdmissionError):
     code = "invalid_value"
 

@@ -84,8 +84,18 @@ class Fairness:
         self.enabled = enabled
         self.counters: dict[str, float] = {}
 
+    def with_shares(self, shares: Mapping[str, TenantShare]) -> Fairness:
+        """The same policy and counters under new shares (ValueError if their guarantees exceed the pool)."""
+        fairness = Fairness(shares, self.pool_pages, self.enabled)
+        fairness.counters = self.counters
+        return fairness
+
     def share(self, tenant: str) -> TenantShare:
         return self.shares.get(tenant, DEFAULT_SHARE)
+
+    def cap(self, tenant: str) -> int | None:
+        """The most pages `tenant` may hold here (admission refuses a request that needs more), None: the pool."""
+        return self.share(tenant).max_pages if self.enabled else None
 
     # ---- counters -------------------------------------------------------------------------------------
 

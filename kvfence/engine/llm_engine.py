@@ -157,7 +157,7 @@ class LLMEngine(PDHandover):
         params = params or SamplingParams()
         token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         try:
-            admit(len(token_ids), params, self.limits, prefill_only)
+            admit(len(token_ids), params, self.limits, prefill_only, self.scheduler.fairness.cap(tenant))
             if any(not 0 <= t < self.model_config.vocab_size for t in token_ids):
                 raise InvalidSamplingParams("prompt", "prompt contains token ids outside the vocabulary")
         except Exception as exc:
@@ -204,6 +204,11 @@ class LLMEngine(PDHandover):
         stepping in a loop. A request that arrives clears the blocked state."""
         with self._lock:
             return bool(self._inbox) or (self.scheduler.num_unfinished > 0 and not self._blocked)
+
+    def set_tenants(self, tenants: Mapping[str, TenantShare]) -> None:
+        """Tenants' weights and page shares from now on (a PD worker gets them from its router at registration);
+        the counters carry over. ValueError if their guarantees exceed the pool. Engine thread only."""
+        self.scheduler.fairness = self.scheduler.fairness.with_shares(tenants)
 
     def set_step_threads(self, threads: int) -> None:
         """Torch threads for the next steps, of every kind (a PD worker sharing its host's cores). Engine thread

@@ -32,6 +32,7 @@ counts, last page first, so the LRU evicts a sequence's tail before its head.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from kvfence.config import SchedulerOptions
@@ -69,6 +70,9 @@ class Scheduler:
         self.running: list[Request] = []
         self.num_preemptions = 0
         self.handed_off: list[Request] = []  # PD prefill: requests whose pages await a transfer
+        # pages tenants hold outside the scheduler, for fairness (PD: prefilled requests awaiting their transfer,
+        # decode reservations); the PD roles set it
+        self.reserved_pages: Callable[[], Mapping[str, int]] = dict
 
     def add(self, request: Request) -> None:
         backlogged = self.backlogged()
@@ -78,13 +82,16 @@ class Scheduler:
         self.waiting.append(request)
 
     def backlogged(self) -> set[str]:
-        """Tenants with requests waiting or running."""
-        return {r.tenant for r in self.waiting} | {r.tenant for r in self.running}
+        """Tenants with requests waiting or running, or pages reserved."""
+        return (
+            {r.tenant for r in self.waiting} | {r.tenant for r in self.running} | set(self.reserved_pages())
+        )
 
     def held_pages(self) -> dict[str, int]:
-        """Pages each tenant's running requests hold (a shared prefix page counts for each holder)."""
-        held: dict[str, int] = {}
-        for r in self.running:
+        """Pages each tenant holds: its running requests', and its pages outside the scheduler (PD: prefilled
+        requests awaiting their transfer, decode reservations). A shared prefix page counts for each holder."""
+        held = dict(self.reserved_pages())
+        for r in (*self.running, *self.handed_off):
             held[r.tenant] = held.get(r.tenant, 0) + len(r.pages)
         return held
 

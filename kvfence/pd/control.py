@@ -3,7 +3,8 @@ ZeroMQ frame (`{"op": ..., field: value, ...}`), decoded and type-checked field 
 
     op          class          direction              fields
     register    Register       worker -> router       role, fingerprint (I6), data_addr, pid, config
-    registered  Registered     router -> worker       -
+    registered  Registered     router -> worker       tenants (weights and page shares from the keys file: the
+                                                      worker's scheduler applies them, engine/fairness.py)
     refused     Refused        router -> worker       reason, retry (the key is in use: try again later)
     reregister  Reregister     router -> worker       -  (a heartbeat from a worker the router does not know)
     heartbeat   Heartbeat      worker -> router       worker (its control identity), pool_free, pool, integrity_failures
@@ -46,6 +47,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, ClassVar, NewType, TypeVar, Union, get_args, get_origin, get_type_hints
 
+from kvfence.engine.fairness import TenantShare
 from kvfence.engine.output import RequestOutput
 from kvfence.engine.request import SamplingParams
 from kvfence.ids import RequestId
@@ -99,6 +101,8 @@ class Register(ControlMessage):
 @dataclass(frozen=True, slots=True)
 class Registered(ControlMessage):
     op: ClassVar[str] = "registered"
+    # tenant -> its weight and page shares; each worker applies them to its own pool (TenantShare validates them)
+    tenants: dict[str, TenantShare] = field(default_factory=dict)
 
 
 @_message

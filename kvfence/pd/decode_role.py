@@ -1,8 +1,10 @@
 """The decode side of a PD worker, without sockets (kvfence/pd/roles.py has the lifecycle of both roles).
 
-A routed request waits in `queued` (FIFO) until the pool can spare its pages, then is reserved and waits in
-`incoming` (by transfer id) until its transfer completes, fails, times out or is aborted; it is in at most one
-of the two. The `TransferReceiver` owns the reservations themselves.
+A routed request waits in `queued` until the pool can spare its pages, then is reserved and waits in `incoming`
+(by transfer id) until its transfer completes, fails, times out or is aborted; it is in at most one of the two.
+The `TransferReceiver` owns the reservations themselves. Which queued request is reserved next is the engine's
+fairness policy (engine/fairness.py): vtc takes the oldest of the tenant with the smallest virtual token
+counter, within its page cap and leaving other tenants' guarantees; fcfs takes them in arrival order.
 """
 
 from __future__ import annotations
@@ -33,6 +35,8 @@ log = logging.getLogger("kvfence.pd.worker")
 class _Incoming:
     request_id: RequestId
     peer: Any  # the prefill we sent the ticket to: the only one whose final frame or abort counts
+    tenant: str  # whose pages the reservation holds (fairness: engine/fairness.py)
+    num_pages: int
     since: float  # last progress: the reservation, then each applied frame
     started: bool = False  # a frame applied yet: the timeout is transfer_timeout_s from then on
 
@@ -60,6 +64,7 @@ class DecodeRole(Role):
         self.incoming: dict[TransferId, _Incoming] = {}
         # admitted, waiting for pages to reserve (FIFO), with when they came: the decode pool is busy right now
         self.queued: OrderedDict[RequestId, tuple[control.Expect, float]] = OrderedDict()
+        engine.scheduler.reserved_pages = self._reserved
 
     def control_handlers(self) -> dict[type[ControlMessage], control.Handler]:
         return {**super().control_handlers(), control.Expect: self.on_expect}
@@ -74,18 +79,55 @@ class DecodeRole(Role):
     def on_expect(self, msg: control.Expect) -> None:
         if self.admit(msg) is None:
             return
+        backlogged = self.backlogged()
+        if msg.tenant not in backlogged:
+            self.engine.scheduler.fairness.activate(msg.tenant, backlogged)
         self.queued[msg.request_id] = (msg, self.clock())
         self._reserve_queued()
 
+    def backlogged(self) -> set[str]:
+        """Tenants with work here: queued, reserved, or in the engine."""
+        return self.engine.scheduler.backlogged() | {msg.tenant for msg, _ in self.queued.values()}
+
+    def held_pages(self) -> dict[str, int]:
+        """Pages each tenant holds here: its running requests' and its reservations'."""
+        return self.engine.scheduler.held_pages()
+
+    def _reserved(self) -> dict[str, int]:
+        """Pages each tenant's reservations hold (the scheduler counts them as held: fairness, caps)."""
+        held: dict[str, int] = {}
+        for entry in self.incoming.values():
+            held[entry.tenant] = held.get(entry.tenant, 0) + entry.num_pages
+        return held
+
+    def _next_queued(self, skip: set[str]) -> RequestId | None:
+        """The queued request to reserve next: the oldest (fcfs), or the oldest of the tenant with the smallest
+        counter among those not in `skip` (vtc)."""
+        fairness = self.engine.scheduler.fairness
+        if not fairness.enabled:
+            return next(iter(self.queued), None)
+        tenants = {msg.tenant for msg, _ in self.queued.values()} - skip
+        if not tenants:
+            return None
+        tenant = fairness.next_tenant(tenants)
+        return next(rid for rid, (msg, _) in self.queued.items() if msg.tenant == tenant)
+
     def _reserve_queued(self) -> None:
-        """Reserve pages for queued requests in arrival order, while the pool can spare them: one page of
-        headroom per running request, so that reservations do not starve requests already decoding."""
-        pool = self.engine.pool
-        while self.queued:
-            rid, (msg, _) = next(iter(self.queued.items()))
+        """Reserve pages for queued requests in the fairness policy's order, while the pool can spare them: one
+        page of headroom per running request, so that reservations do not starve requests already decoding. A
+        tenant at its cap, or one that would take pages other tenants are guaranteed, is passed over."""
+        pool, fairness = self.engine.pool, self.engine.scheduler.fairness
+        skip: set[str] = set()
+        while (rid := self._next_queued(skip)) is not None:
+            msg, _ = self.queued[rid]
             num_pages = pool.pages_for(len(msg.prompt_ids))
             if not pool.can_allocate(num_pages + len(self.engine.scheduler.running)):
                 return
+            if fairness.enabled and not fairness.may_take(
+                msg.tenant, num_pages, pool.num_free, self.held_pages(), self.backlogged()
+            ):
+                skip.add(msg.tenant)
+                continue
             del self.queued[rid]
             tid = msg.transfer_id
             try:  # first: a prefill this transport cannot reach (a missing key) reserves nothing
@@ -101,7 +143,7 @@ class DecodeRole(Role):
             except ValueError as exc:  # a reused transfer id: a metadata collision, never trusted (bug 4)
                 self._fail(rid, "kv_integrity_error", str(exc))
                 continue
-            self.incoming[tid] = _Incoming(rid, peer, self.clock())
+            self.incoming[tid] = _Incoming(rid, peer, msg.tenant, num_pages, self.clock())
             self.transport.send_data(peer, ticket)
 
     def after_step(self) -> None:

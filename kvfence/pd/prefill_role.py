@@ -87,6 +87,7 @@ class PrefillRole(Role):
         self.prefill_timeout_s = options.prefill_timeout  # a ticket whose prefill is not done after this long
         self.requests: dict[RequestId, _Prefill] = {}
         self.tombstones: OrderedDict[TransferId, None] = OrderedDict()  # aborted: a late ticket is refused
+        engine.scheduler.reserved_pages = self._awaiting_transfer
 
     def control_handlers(self) -> dict[type[ControlMessage], control.Handler]:
         return {**super().control_handlers(), control.Prefill: self.on_prefill}
@@ -94,6 +95,16 @@ class PrefillRole(Role):
     def pending(self) -> list[Any]:
         """Requests with a ticket or a finished prefill: a transfer to run, or to time out."""
         return [rid for rid, s in self.requests.items() if s.out is not None or s.prefilled is not None]
+
+    def _awaiting_transfer(self) -> dict[str, int]:
+        """Pages each tenant's prefilled requests hold until their transfer ends (the scheduler counts them as
+        held: fairness, caps)."""
+        held: dict[str, int] = {}
+        for state in self.requests.values():
+            request = state.prefilled or (state.out.request if state.out is not None else None)
+            if request is not None:
+                held[request.tenant] = held.get(request.tenant, 0) + len(request.pages)
+        return held
 
     def _state(self, rid: RequestId) -> _Prefill:
         return self.requests.setdefault(rid, _Prefill())

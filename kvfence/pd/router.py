@@ -12,12 +12,13 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import zmq
 
+from kvfence.engine.fairness import TenantShare
 from kvfence.engine.request import SamplingParams
 from kvfence.faults import Faults
 from kvfence.ids import RequestId
@@ -51,11 +52,13 @@ class Router(RouterCore):
         faults: Faults | None = None,
         cluster_keys: keys.RouterKeys | None = None,
         placement: str = "load",
+        tenants: Mapping[str, TenantShare] | None = None,
     ) -> None:
-        """`cluster_keys`: CURVE on the control plane, workers admitted by the keys directory's allowlists
+        """`tenants`: weights and page shares from the keys file, sent to every worker at registration.
+        `cluster_keys`: CURVE on the control plane, workers admitted by the keys directory's allowlists
         (I10); None only for a cluster run with --insecure-cluster (and tests of the protocol itself)."""
         roles = cluster_keys.allowed() if cluster_keys else None
-        super().__init__(dead_after_s, faults, roles=roles, placement=placement)
+        super().__init__(dead_after_s, faults, roles=roles, placement=placement, tenants=tenants)
         # with keys, a context of its own: ZAP (who may connect) is per context, and this router owns it
         self._own_ctx = ctx is None and cluster_keys is not None
         self.ctx = ctx or (zmq.Context() if self._own_ctx else zmq.Context.instance())
@@ -116,7 +119,7 @@ class Router(RouterCore):
         self, prompt_ids: list[int], params: SamplingParams, request_id: str, tenant: str, on_output: OnOutput
     ) -> None:
         """Admit against every stage (I5) before anything is sent; raises AdmissionError or NoWorkers."""
-        self.admit(len(prompt_ids), params)
+        self.admit(len(prompt_ids), params, tenant)
         self._post(lambda: self.route(prompt_ids, params, RequestId(request_id), tenant, on_output))
 
     def abort(self, request_id: str) -> None:

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from kvfence.engine.admission import Limits, admit
+from kvfence.engine.fairness import DEFAULT_SHARE, TenantShare
 from kvfence.engine.output import RequestOutput
 from kvfence.engine.request import SamplingParams
 from kvfence.faults import Faults
@@ -114,6 +115,7 @@ def _unseen(routed: _Routed, out: RequestOutput) -> RequestOutput:
 
 
 FINGERPRINT_INTS = ("vocab_size", "context_length", "pool_pages", "page_size")
+SCHEDULING_POLICIES = ("vtc", "fcfs")
 
 
 def _fingerprint_problem(fp: Mapping[str, Any]) -> str | None:
@@ -125,6 +127,8 @@ def _fingerprint_problem(fp: Mapping[str, Any]) -> str | None:
         value = fp.get(key)
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             return f"{key} must be a positive integer, got {value!r}"
+    if fp.get("scheduling_policy") not in SCHEDULING_POLICIES:
+        return f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got {fp.get('scheduling_policy')!r}"
     return None
 
 
@@ -150,10 +154,14 @@ class RouterCore:
         tid_prefix: int | None = None,
         roles: Mapping[str, tuple[str, str]] | None = None,
         placement: str = "load",
+        tenants: Mapping[str, TenantShare] | None = None,
     ) -> None:
         if placement not in PLACEMENTS:
             raise ValueError(f"placement must be one of {PLACEMENTS}, got {placement!r}")
         self.placement_policy = placement
+        # tenants' weights and page shares (the keys file): sent to every worker at registration, so each
+        # worker's scheduler orders and shares its own queue and pool by them (engine/fairness.py)
+        self.tenants = dict(tenants or {})
         # principal -> (role, name) it may register as; None: a cluster without keys (--insecure-cluster)
         self.roles = roles
         self.refused: Counter[str] = Counter()  # messages dropped by the I10 binding, by reason
@@ -212,11 +220,13 @@ class RouterCore:
             return False
         return True
 
-    def admit(self, num_prompt_tokens: int, params: SamplingParams) -> None:
-        """I5 against every stage, before anything is sent; raises AdmissionError or NoWorkers."""
+    def admit(self, num_prompt_tokens: int, params: SamplingParams, tenant: str = "") -> None:
+        """I5 against every stage, and the tenant's page cap, before anything is sent; raises AdmissionError or
+        NoWorkers."""
         prefill_limits, decode_limits = self.limits()
-        admit(num_prompt_tokens, params, prefill_limits, prefill_only=True)
-        admit(num_prompt_tokens, params, decode_limits)
+        cap = self.tenants[tenant].max_pages if tenant in self.tenants else None
+        admit(num_prompt_tokens, params, prefill_limits, prefill_only=True, max_pages=cap)
+        admit(num_prompt_tokens, params, decode_limits, max_pages=cap)
 
     def placement(self, request_id: str) -> tuple[WorkerInfo, WorkerInfo] | None:
         """(prefill, decode) serving a live request, or None."""
@@ -473,6 +483,13 @@ class RouterCore:
             self.refuse("malformed_fingerprint", msg)
             self._send(identity, control.Refused(f"fingerprint: {problem}"))
             return
+        if problem := self._shares_problem(
+            msg.role, fp
+        ):  # never accepted and ignored: the keys file's shares
+            log.error("refusing %s worker: %s", msg.role, problem)
+            self.refused["tenant_shares"] += 1
+            self._send(identity, control.Refused(problem))
+            return
         for other in self.workers.values():
             if (
                 other.fingerprint["layout"] != fp["layout"]
@@ -490,11 +507,29 @@ class RouterCore:
         self.workers[identity] = info
         self._workers_changed()
         log.info("registered %s worker %s", msg.role, fp)
-        self._send(identity, control.Registered())
+        self._send(identity, control.Registered(self.tenants))
         pending = _drain_key(info, self.roles is not None)
         if pending in self._pending_drains:  # scaled in while it was still starting
             self._pending_drains.discard(pending)
             self.drain(identity)
+
+    def _shares_problem(self, role: str, fp: Mapping[str, Any]) -> str | None:
+        """Why a worker cannot apply the tenants' shares, or None: its policy must be vtc where any tenant has a
+        weight or page share, and its pool must hold every tenant's guarantee (each worker reserves them in its
+        own pool)."""
+        shared = sorted(t for t, s in self.tenants.items() if s != DEFAULT_SHARE)
+        if shared and fp["scheduling_policy"] != "vtc":
+            return (
+                f"tenants {', '.join(shared)} have weights or page shares (the router's keys file), which a "
+                f"{role} worker with --scheduling-policy {fp['scheduling_policy']} would not apply"
+            )
+        guaranteed = sum(s.min_pages for s in self.tenants.values())
+        if guaranteed > fp["pool_pages"]:
+            return (
+                f"tenants' min_pages add up to {guaranteed}, more than this {role} worker's pool of "
+                f"{fp['pool_pages']} pages (each worker reserves the guarantees in its own pool)"
+            )
+        return None
 
     def worker_configs(self) -> list[dict[str, Any]]:
         """Each registered worker's public configuration tree, as it sent it at registration (any thread)."""

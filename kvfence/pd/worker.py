@@ -54,6 +54,7 @@ def fingerprint(engine: LLMEngine) -> dict[str, Any]:
         "context_length": engine.context_length,
         "pool_pages": engine.pool.num_pages,
         "page_size": engine.pool.page_size,
+        "scheduling_policy": engine.config.scheduler.policy,  # vtc applies the tenants' shares the router sends
     }
 
 
@@ -239,6 +240,12 @@ class Worker:
         self.running = False
 
     def _on_registered(self, msg: control.Registered) -> None:
+        try:  # the router checked them against our pool; a mismatch here is a bug on one side, not ignored
+            self.engine.set_tenants(msg.tenants)
+        except ValueError as exc:
+            log.error("%s worker: the router's tenant shares: %s", self.role.name, exc)
+            self.running = False
+            return
         self.registered = True
 
     def _on_debug_kv(self, msg: control.DebugKv) -> None:

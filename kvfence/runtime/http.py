@@ -16,6 +16,7 @@ from kvfence.engine.protocol import Engine
 from kvfence.server.metrics import ServerMetrics
 
 if TYPE_CHECKING:
+    from kvfence.engine.fairness import TenantShare
     from kvfence.server.serving import ClusterControl
 
 log = logging.getLogger("kvfence.server")
@@ -76,8 +77,7 @@ def serve_http(
 
 def front_door_problem(config: Config, command: str) -> str | None:
     """What stops an HTTP command before anything loads (exit 2): unreadable TLS files, an operator key that is
-    also a tenant's, a bad API keys file, tenant shares a PD router would not apply."""
-    from kvfence.engine.fairness import DEFAULT_SHARE
+    also a tenant's, a bad API keys file."""
     from kvfence.server.auth import check_distinct
     from kvfence.server.tenants import load_keys_file
 
@@ -88,15 +88,16 @@ def front_door_problem(config: Config, command: str) -> str | None:
         check_tls(server.ssl_keyfile, server.ssl_certfile)
     except (OSError, ValueError) as exc:
         return f"kvfence {command}: {exc}"
-    pd = command == "router" or config.pd.mode == "pd"
-    shared = sorted(t for t, s in (keys_file.shares if keys_file else {}).items() if s != DEFAULT_SHARE)
-    if pd and shared:  # never accepted and ignored: the workers' schedulers do not know them
-        return (
-            f"kvfence {command}: {server.api_keys}: weight, min_pages and max_pages (tenants {', '.join(shared)}) "
-            "apply to colocated serving only: PD workers do not know them yet (docs/fairness.md); remove them "
-            "or serve colocated (limits: max_in_flight, requests_per_minute, tokens_per_minute work in both)"
-        )
     return None
+
+
+def tenant_shares(config: Config) -> dict[str, TenantShare]:
+    """The keys file's weights and page shares per tenant (a PD router sends them to its workers); {} without
+    one. The file was checked by `front_door_problem` already."""
+    from kvfence.server.tenants import load_keys_file
+
+    path = config.server.api_keys
+    return load_keys_file(path).shares if path else {}
 
 
 def check_tls(keyfile: str | None, certfile: str | None) -> bool:

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 from kvfence.config import Config
 from kvfence.pd import cores, keys
 from kvfence.pd.router import Router
-from kvfence.runtime.http import front_door_problem
+from kvfence.runtime.http import front_door_problem, tenant_shares
 from kvfence.runtime.process import exit_on_sigterm, parent_death_signal, reap, usable_cpus
 from kvfence.runtime.supervisor import RestartPolicy, Supervisor
 
@@ -84,7 +84,12 @@ def cmd_router(config: Config, args: argparse.Namespace) -> int:
     except NoClusterKeys as exc:
         print(exc, file=sys.stderr)
         return 2
-    router = Router(bind=config.pd.bind, cluster_keys=cluster_keys, placement=config.pd.placement or "load")
+    router = Router(
+        bind=config.pd.bind,
+        cluster_keys=cluster_keys,
+        placement=config.pd.placement or "load",
+        tenants=tenant_shares(config),
+    )
     if cluster_keys is not None:  # revocation: `kill -HUP` re-reads the keys directory at once
         signal.signal(signal.SIGHUP, lambda *_: router.reload_keys())
     print(f"kvfence router: workers connect to {router.addr}", flush=True)
@@ -115,7 +120,10 @@ def cmd_serve_pd(config: Config, args: argparse.Namespace) -> int:
     try:
         router_keys = keys.RouterKeys.load(directory) if directory else None
         router = Router(
-            bind="tcp://127.0.0.1:0", cluster_keys=router_keys, placement=config.pd.placement or "load"
+            bind="tcp://127.0.0.1:0",
+            cluster_keys=router_keys,
+            placement=config.pd.placement or "load",
+            tenants=tenant_shares(config),
         )
         with LocalWorkers(router, config, directory) as local:
             pd = config.pd

@@ -206,6 +206,7 @@ class RouterActor:
 
     def __init__(self, tree: str) -> None:
         from kvfence.pd.router import Router
+        from kvfence.runtime.http import tenant_shares
 
         _log_like_the_cli()
         self.config = Config.from_json(tree)
@@ -214,6 +215,7 @@ class RouterActor:
             bind=f"tcp://{node_ip()}:0",
             cluster_keys=keys.RouterKeys.load(self.keys_dir),
             placement=self.config.pd.placement or "load",
+            tenants=tenant_shares(self.config),
         )
         self.workers = RayWorkers(self.router, self.config, self.keys_dir)
         self.workers.start()

@@ -43,6 +43,7 @@ from kvfence.engine.request import SamplingParams
 from kvfence.faults import Faults
 from kvfence.ids import LeaseId, PageId, RequestId
 from kvfence.pd import control, wire
+from kvfence.pd.decode_role import DecodeRole
 from kvfence.pd.local import layout_fingerprint
 from kvfence.pd.messages import PageFrame, Ticket
 from kvfence.pd.router_core import NoWorkers
@@ -81,6 +82,13 @@ class Simulation:
         # transfer id -> the decode workers the router named for it (I10; several only under reuse_transfer_id)
         self._named: dict[int, set[str]] = {}
         self.rogue: str | None = None  # cfg.rogue: the compromised decode worker's name
+        # (worker, request id) in the order each worker started a request: a prefill's first computation for it,
+        # a decode's reservation (its ticket). The workers' scheduling decisions, for the fairness tests.
+        self.started: list[tuple[str, str]] = []
+        self._seen_started: set[tuple[str, str]] = set()
+        self.peak_held: dict[
+            tuple[str, str], int
+        ] = {}  # (worker kind, tenant) -> the most pages it held at once
         for _ in range(cfg.num_prefill):
             self.start_worker("prefill")
         for _ in range(cfg.num_decode):
@@ -117,12 +125,15 @@ class Simulation:
 
     def _plan_clients(self) -> None:
         cfg, rng = self.cfg, self.rng
+        flooders = (2 * cfg.num_requests) // 3  # cfg.flood: tenant-a's, all submitted before tenant-b's
         for i in range(cfg.num_requests):
-            tenant = "tenant-a" if i % 2 == 0 else "tenant-b"
+            tenant = "tenant-a" if (i < flooders if cfg.flood else i % 2 == 0) else "tenant-b"
             rid = f"s{cfg.seed}-r{i}"
             prompt = [rng.randrange(3, VOCAB) for _ in range(rng.randint(1, cfg.max_prompt))]
             self.clients[rid] = Client(rid, tenant, prompt, rng.randint(1, cfg.max_tokens))
             at = rng.uniform(0.05, cfg.submit_until_s)
+            if cfg.flood:
+                at = 0.05 + i * 0.001
             self._schedule(at, "client_submit", (rid,))
             if rng.random() < cfg.p_abort:
                 self._schedule(at + rng.uniform(0.0, 0.3), "client_abort", (rid,))
@@ -177,8 +188,16 @@ class Simulation:
 
     def _on_page_event(self, event: dict[str, Any]) -> None:
         self.tracer.feed(event)
+        if event["ev"] == "read" and event["node"].startswith("prefill"):
+            self.note_start(event["node"], event["request_id"])
         if self._record is not None:
             self._record({"t": round(self.time, 6), **event})
+
+    def note_start(self, node: str, request_id: str) -> None:
+        """`node` started `request_id` (its first step for it): recorded once, in order."""
+        if (node, request_id) not in self._seen_started:
+            self._seen_started.add((node, request_id))
+            self.started.append((node, request_id))
 
     def _dispatch(self, kind: str, args: tuple[Any, ...]) -> SimWorker | None:
         """Run one event; return the worker whose state it may have changed (None: only the router's)."""
@@ -296,7 +315,7 @@ class Simulation:
         params = SamplingParams(max_tokens=client.max_tokens, temperature=0.0)
         self.trace("client_submit", request_id=rid, tenant=client.tenant, prompt_len=len(client.prompt))
         try:
-            self.router.admit(len(client.prompt), params)
+            self.router.admit(len(client.prompt), params, client.tenant)
         except (AdmissionError, NoWorkers) as exc:
             client.rejected = type(exc).__name__
             return
@@ -334,6 +353,19 @@ class Simulation:
                 worker.role.check_integrity()
             except AssertionError as exc:
                 raise Violation(f"integrity (after {after}) on {worker.name}: {exc}") from exc
+            self._check_caps(after, worker)
+
+    def _check_caps(self, after: str, worker: SimWorker) -> None:
+        """Fairness: no tenant holds more pages on a worker than its max_pages (running requests, requests
+        whose pages await a transfer, decode reservations)."""
+        role, fairness = worker.role, worker.engine.scheduler.fairness
+        held = role.held_pages() if isinstance(role, DecodeRole) else worker.engine.scheduler.held_pages()
+        for tenant, pages in held.items():
+            key = (worker.kind, tenant)
+            self.peak_held[key] = max(self.peak_held.get(key, 0), pages)
+            cap = fairness.share(tenant).max_pages
+            if fairness.enabled and cap is not None and pages > cap:
+                raise Violation(f"fairness (after {after}) on {worker.name}: {tenant} holds {pages} > {cap}")
 
     def quiescent(self) -> bool:
         """Every request ended and every live worker idle (called once all submissions are past)."""

@@ -20,7 +20,7 @@ from kvfence.model.tokenizer import Tokenizer
 from kvfence.pd import control, wire
 from kvfence.pd.control import ControlMessage
 from kvfence.pd.decode_role import DecodeRole
-from kvfence.pd.messages import Message
+from kvfence.pd.messages import Message, Ticket
 from kvfence.pd.prefill_role import PrefillRole
 from kvfence.pd.roles import Role
 from kvfence.pd.router_core import RouterCore
@@ -44,6 +44,7 @@ class Network(Protocol):
     def now(self) -> float: ...
     def send_control(self, src: str, dst: str, packed: bytes) -> None: ...
     def send_data(self, src: str, dst: str, frames: list[bytes]) -> None: ...
+    def note_start(self, node: str, request_id: str) -> None: ...
 
 
 def sim_model() -> LoadedModel:
@@ -67,7 +68,7 @@ def make_engine(
     config = Config.of(
         model="sim", dtype="float32", page_size=cfg.page_size, kv_pages=num_pages,
         context_length=cfg.context_length, max_num_seqs=8, max_num_batched_tokens=32, integrity_checks=cfg.checks,
-        lease_prefix=lease_prefix, enable_prefix_cache=False,
+        lease_prefix=lease_prefix, enable_prefix_cache=False, policy=cfg.policy,
     )  # fmt: skip
     return LLMEngine(config, sim_model(), runner=cast(ModelRunner, runner), faults=faults), runner
 
@@ -101,6 +102,8 @@ class SimWorker:
         self.sim.send_control(self.name, ROUTER, control.encode(message))
 
     def send_data(self, peer: Any, message: Message) -> None:
+        if isinstance(message, Ticket):  # a decode worker's scheduling decision: it reserved this request
+            self.sim.note_start(self.name, message.request_id)
         self.sim.send_data(self.name, str(peer), wire.encode(message))
 
     def connect(self, data_addr: str, principal: str = "") -> Any:
@@ -113,7 +116,7 @@ class SimWorker:
         """Registration only: a simulated worker stays up when refused or told to shut down."""
         return {
             control.Reregister: lambda msg: self.register(),
-            control.Registered: control.ignore,
+            control.Registered: lambda msg: self.engine.set_tenants(msg.tenants),
             control.Refused: control.ignore,
             control.Ping: control.ignore,
             control.Shutdown: control.ignore,
@@ -126,7 +129,8 @@ class SimWorker:
 
 class SimRouter(RouterCore):
     def __init__(self, sim: Network, dead_after_s: float, faults: Faults, tid_prefix: int) -> None:
-        super().__init__(dead_after_s, faults, clock=sim.now, tid_prefix=tid_prefix)
+        tenants = sim.cfg.tenant_shares()
+        super().__init__(dead_after_s, faults, clock=sim.now, tid_prefix=tid_prefix, tenants=tenants)
         self.sim = sim
 
     def _send(self, identity: bytes, message: ControlMessage) -> None:

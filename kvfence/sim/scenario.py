@@ -9,6 +9,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from kvfence.config import PDOptions
+from kvfence.engine.fairness import TenantShare
 from kvfence.engine.output import RequestOutput
 
 KNOBS = ("placeholder_prefill", "stale_frame", "corrupt_frame", "free_on_timeout", "reuse_transfer_id",
@@ -42,6 +43,10 @@ class SimConfig:
     # another decode worker it sends the router a forged final output and the prefill a ticket of its own
     rogue: bool = False
     window: int = 2
+    policy: str = "vtc"  # the workers' --scheduling-policy
+    # tenant -> {"weight", "min_pages", "max_pages"}: the router's keys file, sent to the workers at registration
+    shares: dict[str, dict[str, Any]] = field(default_factory=dict)
+    flood: bool = False  # tenant-a submits all its requests first, tenant-b a moment later (fairness tests)
     transfer_timeout_s: float = 1.5
     prefill_timeout_s: float = 3.0
     dead_after_s: float = 1.2
@@ -71,11 +76,22 @@ class SimConfig:
         )
         if rng.random() < 0.35:  # a fault knob armed, with every check on: victims fail, invariants hold
             config.faults = f"{rng.choice(KNOBS)}={rng.randint(1, 3)}"
+        # fairness (drawn last: the draws above, and so every earlier seed's scenario, are unchanged)
+        config.policy = rng.choice(["vtc", "vtc", "fcfs"])
+        if config.policy == "vtc" and rng.random() < 0.5:
+            small = min(config.prefill_pages, config.decode_pages)
+            config.shares = {
+                "tenant-a": {"weight": 1.0, "max_pages": rng.randint(small // 2, small)},
+                "tenant-b": {"weight": rng.choice([1.0, 2.0, 4.0]), "min_pages": rng.randint(0, small // 3)},
+            }
         names = {f.name for f in fields(cls)}
         for key, value in overrides.items():
             assert key in names, key
             setattr(config, key, value)
         return config
+
+    def tenant_shares(self) -> dict[str, TenantShare]:
+        return {tenant: TenantShare(**share) for tenant, share in self.shares.items()}
 
     def pd_options(self) -> PDOptions:
         """The workers' transfer window and timeouts: smaller than a real cluster's, so runs end quickly."""
