@@ -339,3 +339,47 @@ def test_a_request_larger_than_its_tenants_cap_is_refused_at_admission(tiny_mode
     assert engine.pool.stats() == before and not engine.has_unfinished()
     engine.add_request([5] * (2 * page), SamplingParams(max_tokens=1), "r2", tenant="other")
     engine.add_request([5] * (page + 1), SamplingParams(max_tokens=1), "r3", tenant="capped")
+
+
+def test_pd_serve_applies_the_keys_files_shares_and_refuses_a_pool_below_the_guarantees(tiny_dir, tmp_path):
+    """End to end over HTTP, router + prefill + decode processes: a capped tenant's request that needs more pages
+    than its cap gets 400 (another tenant's alike request is served), and guarantees no worker's pool can hold
+    stop `serve --mode pd` with the reason (exit 1: the workers are refused, not restarted)."""
+    import subprocess
+    import sys
+
+    from openai import BadRequestError, OpenAI
+
+    from tests.pd_cluster import free_port, pd_serve
+
+    keys = tmp_path / "keys.toml"
+    keys.write_text(
+        '[tenants.a]\nkeys = ["ka"]\nweight = 2\nmax_pages = 16\n[tenants.b]\nkeys = ["kb"]\nmin_pages = 4\n'
+    )
+    flags = [
+        "--page-size",
+        "4",
+        "--prefill-kv-pages",
+        "32",
+        "--decode-kv-pages",
+        "96",
+        "--allow-undersized-pool",
+    ]
+    prompt = list(range(3, 80))  # 77 tokens + 8: 22 pages, above a's cap of 16
+    with pd_serve(tiny_dir, keys, *flags) as base:
+        a, b = (OpenAI(base_url=f"{base}/v1", api_key=k, max_retries=0, timeout=120) for k in ("ka", "kb"))
+        got = b.completions.create(model=tiny_dir.name, prompt=prompt, max_tokens=8, temperature=0)
+        assert got.usage.completion_tokens >= 1
+        with pytest.raises(BadRequestError) as refused:
+            a.completions.create(model=tiny_dir.name, prompt=prompt, max_tokens=8, temperature=0)
+        assert refused.value.code == "context_length_exceeded"
+        assert "your tenant may hold at most 16 pages" in refused.value.message
+        small = a.completions.create(model=tiny_dir.name, prompt=prompt[:20], max_tokens=8, temperature=0)
+        assert small.usage.completion_tokens >= 1
+    keys.write_text('[tenants.a]\nkeys = ["ka"]\nmin_pages = 40\n')  # more than the prefill pool's 32 pages
+    cmd = [sys.executable, "-m", "kvfence", "serve", "--mode", "pd", "--model", str(tiny_dir), "--port",
+           str(free_port()), "--api-keys", str(keys), "--threads", "2", "--dtype", "float32", *flags]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
+    assert done.returncode == 1, done.stderr[-2000:]
+    assert "min_pages add up to 40, more than this prefill worker's pool of 32 pages" in done.stderr
+    assert "a configuration error, not restarted" in done.stderr

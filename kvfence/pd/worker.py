@@ -100,6 +100,7 @@ class Worker:
         self.data_addr = ""
         self.running = True
         self.registered = False
+        self.refusal: str | None = None  # why the router would not take us (the process exits 2: configuration)
         self.last_router_msg = time.monotonic()
         self._register_at: float | None = None
         self._hinted = False
@@ -234,6 +235,7 @@ class Worker:
             self._register_at = time.monotonic() + REGISTER_RETRY_S
             return
         log.error("router refused %s worker: %s", self.role.name, msg.reason)
+        self.refusal = msg.reason
         self.running = False
 
     def _on_shutdown(self, msg: control.Shutdown) -> None:
@@ -244,6 +246,7 @@ class Worker:
             self.engine.set_tenants(msg.tenants)
         except ValueError as exc:
             log.error("%s worker: the router's tenant shares: %s", self.role.name, exc)
+            self.refusal = f"the router's tenant shares: {exc}"
             self.running = False
             return
         self.registered = True

@@ -359,4 +359,4 @@ def run_worker(config: Config, role: str, started: Callable[[Any], None] = lambd
     log.info("%s worker up, router %s", role, pd.router)
     started(worker)
     worker.serve()
-    return 0
+    return 2 if worker.refusal else 0  # refused: a configuration error, which a restart would meet again
