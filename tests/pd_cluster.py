@@ -134,12 +134,12 @@ def free_port() -> int:
 
 @contextlib.contextmanager
 def pd_serve(
-    model_dir: Path, keys_file: Path, *flags: str, env: dict[str, str] | None = None
+    model_dir: Path, keys_file: Path, *flags: str, env: dict[str, str] | None = None, mode: str = "pd"
 ) -> Iterator[str]:
-    """`kvfence serve --mode pd` (router + prefill + decode processes, 2 threads); yields the base URL once
-    /health answers, fails at once if the server exits."""
+    """`kvfence serve --mode pd` (router + prefill + decode processes, 2 threads), or `mode` colocated (one
+    process); yields the base URL once /health answers, fails at once if the server exits."""
     port = free_port()
-    cmd = [sys.executable, "-m", "kvfence", "serve", "--mode", "pd", "--model", str(model_dir), "--port",
+    cmd = [sys.executable, "-m", "kvfence", "serve", "--mode", mode, "--model", str(model_dir), "--port",
            str(port), "--api-keys", str(keys_file), "--threads", "2", "--dtype", "float32", "--metrics-key",
            SCRAPE_KEY, *flags]  # fmt: skip
     proc = subprocess.Popen(cmd, env={**os.environ, "KVFENCE_FAULTS": "", **(env or {})})
@@ -150,10 +150,10 @@ def pd_serve(
             with contextlib.suppress(httpx.TransportError):
                 if httpx.get(f"{url}/health", timeout=1.0).status_code == 200:
                     break
-            assert time.monotonic() < deadline, "PD server did not come up"
+            assert time.monotonic() < deadline, f"kvfence serve --mode {mode} did not come up"
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout=0.5)  # the poll interval, cut short only if the server exits
-                pytest.fail("kvfence serve --mode pd exited")
+                pytest.fail(f"kvfence serve --mode {mode} exited")
         yield url
     finally:
         reap([proc], terminate=True)

@@ -29,12 +29,23 @@ from kvfence.probe.findings import (
     failures,
     leaks,
     limits,
+    load_test,
+    load_timing,
     prefix_timing,
     speed,
     timing_test,
     usage,
 )
-from kvfence.probe.plan import Expect, Job, Kind, Limits, Tenant, build_plan
+from kvfence.probe.plan import (
+    FLOOD_MAX_TOKENS,
+    NUM_LOAD_SAMPLES,
+    Expect,
+    Job,
+    Kind,
+    Limits,
+    Tenant,
+    build_plan,
+)
 from kvfence.probe.prompts import TRIGGER, TokenModel, TokenRange, a_prompt, b_prompt, fit, shuffled
 from kvfence.probe.stats import mann_whitney_less
 from kvfence.server.background import serve_in_thread
@@ -125,8 +136,9 @@ def test_prompt_shapes():
 def test_the_plan_holds_every_attack_within_the_budget():
     plan = build_plan(random.Random(0), 40, Limits(256, pool_tokens=100), EXACT, concurrency=4)
     jobs = plan.jobs()
-    assert plan.num_requests == len(jobs) == 40
-    assert {j.kind for j in jobs} == set(Kind) - {Kind.CALIBRATION}
+    assert plan.num_requests == len(jobs) == 40 and plan.load is None  # no room for the load check
+    load_kinds = {Kind.LOAD_QUIET, Kind.LOAD_LIGHT, Kind.LOAD_BUSY, Kind.FLOOD}
+    assert {j.kind for j in jobs} == set(Kind) - {Kind.CALIBRATION} - load_kinds
     by_kind = {j.kind: j for j in jobs}
     assert by_kind[Kind.UNDER_LIMIT].tokens.lo + by_kind[Kind.UNDER_LIMIT].max_tokens == 256
     assert by_kind[Kind.AT_LIMIT].tokens == TokenRange(256, 256) and by_kind[Kind.OVER_LIMIT].tokens.lo > 256
@@ -140,6 +152,64 @@ def test_the_plan_holds_every_attack_within_the_budget():
     )
     burst = [item for item in plan.main if isinstance(item, list)]
     assert len(burst) == 1 and len(burst[0]) == 8 and all(j.kind is Kind.BURST for j in burst[0])
+
+
+def test_the_load_check_takes_its_part_of_the_budget_and_floods_with_long_secret_bearing_prompts():
+    plan = build_plan(random.Random(0), 200, Limits(8192), EXACT, concurrency=8, flood=16)
+    assert plan.load is not None and plan.num_requests == 200 == len(plan.jobs()) - len(plan.load.flood)
+    load = plan.load
+    assert (load.light_in_flight, load.in_flight) == (4, 16) and len(
+        load.flood
+    ) == 128  # 8 rounds of 16, on top
+    for probes, kind in (
+        (load.quiet, Kind.LOAD_QUIET),
+        (load.light, Kind.LOAD_LIGHT),
+        (load.busy, Kind.LOAD_BUSY),
+    ):
+        assert len(probes) == NUM_LOAD_SAMPLES
+        assert all(j.kind is kind and j.tenant is Tenant.B and j.stream and j.tokens.lo <= 64 for j in probes)
+    assert all(
+        j.tenant is Tenant.A and j.secret is not None and j.max_tokens == FLOOD_MAX_TOKENS for j in load.flood
+    )
+    assert all(len(j.prompt.split()) > 2000 for j in load.flood)  # half the context, at most 2048 tokens
+    assert len({j.prompt for j in load.flood}) == len(
+        load.flood
+    )  # distinct: A's own prefix cache cannot help it
+    # --flood 0 (or 1: no light level below it), or too small a budget: no check, the whole budget for the rest
+    for flood, budget in ((0, 200), (1, 200), (16, 57)):
+        plain = build_plan(random.Random(0), budget, Limits(8192), EXACT, concurrency=8, flood=flood)
+        assert plain.load is None and plain.num_requests == budget
+
+
+def load_results(light_s: list[float], busy_s: list[float], quiet_s: float = 0.02) -> list[Result]:
+    q, lt, b = job(Kind.LOAD_QUIET), job(Kind.LOAD_LIGHT), job(Kind.LOAD_BUSY)
+    return (
+        [reply(q, ttft=quiet_s)] * 6
+        + [reply(lt, ttft=t) for t in light_s]
+        + [reply(b, ttft=t) for t in busy_s]
+    )
+
+
+def test_load_timing_finds_a_wait_that_grows_with_the_other_tenants_load_not_one_steps_share():
+    queue = load_test(load_results([0.3, 0.35, 0.28, 0.4, 0.33, 0.31], [3.1, 2.8, 4.0, 3.3, 2.9, 3.6]), 16, 4)
+    assert queue.significant and queue.ratio is not None and queue.ratio > 9
+    found = load_timing(queue)
+    assert [f.kind for f in found] == [FindingKind.LOAD_TIMING] and "16 requests in flight" in found[
+        0
+    ].message
+    # fair: B's wait is about one step at both levels, however much slower than with A idle (not tested)
+    fair = load_test(
+        load_results([0.3, 0.35, 0.28, 0.4, 0.33, 0.31], [0.36, 0.4, 0.3, 0.45, 0.38, 0.33]), 16, 4
+    )
+    assert fair.p_value is not None and not fair.significant and not load_timing(fair)
+    assert fair.median_quiet_s == 0.02 and fair.ratio is not None and fair.ratio < 2
+    # significant and twice as slow, but by less than MIN_TIMING_DIFF_S: noise at this scale
+    tiny = load_test(
+        load_results([0.001 * (i + 1) for i in range(6)], [0.01 + 0.001 * i for i in range(6)]), 16, 4
+    )
+    assert tiny.p_value is not None and tiny.p_value < 0.01 and not tiny.significant
+    assert load_test([], 0, 0).skipped.startswith("no flood")
+    assert load_test(load_results([0.3] * 3, [3.0] * 6), 16, 4).skipped.startswith("too few")
 
 
 def test_prefix_probes_reuse_each_long_plant_once_and_fresh_probes_match_their_length():
@@ -381,6 +451,32 @@ def test_kvfence_colocated_is_clean(tiny_model, tmp_path):
     assert report["requests"]["outcomes"]["served"] >= 35
 
 
+@pytest.mark.parametrize("mode", ["colocated", "pd"])
+@pytest.mark.parametrize("policy", ["fcfs", "vtc"])
+def test_the_load_timing_check_finds_a_queue_behind_the_other_tenant_under_fcfs_not_vtc(
+    tiny_dir, tmp_path, policy, mode
+):
+    """kvfence in its own processes, steps of at most 64 tokens (A's flood prompts take two each): under fcfs B's
+    probes wait behind A's queue, which grows with A's load (a finding); under vtc B's next step is its own at
+    either level (clean). In PD the order is each worker's (the router forwards at once)."""
+    keys = tmp_path / "keys.json"
+    keys.write_text(json.dumps(KEYS))
+    pages = (
+        ["--kv-pages", "1024"]
+        if mode == "colocated"
+        else ["--prefill-kv-pages", "512", "--decode-kv-pages", "1024"]
+    )
+    flags = [*pages, "--page-size", "4", "--max-num-batched-tokens", "64", "--scheduling-policy", policy]
+    with pd_serve(tiny_dir, keys, *flags, mode=mode) as url:
+        status, report = probe(url, tmp_path, "--flood", "16", model=tiny_dir.name, requests=60)
+    load = report["load_timing"]
+    assert (load["num_light"], load["num_busy"], load["in_flight"]) == (6, 6, 16), load
+    if policy == "fcfs":
+        assert status == 1 and kinds(report) == {"load_timing"}, (report["findings"], load)
+    else:
+        assert status == 0 and not report["findings"], (report["findings"], load)
+
+
 def test_kvfence_pd_with_an_undersized_prefill_pool_is_clean(tiny_dir, tmp_path):
     """The 2026 incident's configuration (a prefill pool smaller than the context), allowed only with
     --allow-undersized-pool: kvfence refuses what the pool cannot hold, and nothing else goes wrong."""
@@ -447,8 +543,15 @@ def test_stale_kv_shipped_as_a_requests_own_leaks_only_with_the_checks_off(smoll
     request's KV, so decode continues someone else's prompt. With --no-integrity-checks (debug only) the probe
     sees tenant A's secrets in replies; with the checks on every victim fails closed and the probe is clean."""
     with pd_in_process(smollm2, checks=checks, prefill_faults=Faults(stale_frame=10**6)) as url:
-        status, report = probe(
-            url, tmp_path, "--concurrency", "8", model="smollm2", requests=40 if checks else 60
+        status, report = probe(  # (no load check: this one is about leaks; its context is too short to flood)
+            url,
+            tmp_path,
+            "--concurrency",
+            "8",
+            "--flood",
+            "0",
+            model="smollm2",
+            requests=40 if checks else 60,
         )
     found = [f for f in report["findings"] if f["kind"] == "leak"]
     if not checks:  # measured: 4 to 9 leaks a run, 2 to 5 of them across tenants (docs/probe.md)

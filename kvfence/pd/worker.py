@@ -100,7 +100,9 @@ class Worker:
         self.data_addr = ""
         self.running = True
         self.registered = False
-        self.refusal: str | None = None  # why the router would not take us (the process exits 2: configuration)
+        self.refusal: str | None = (
+            None  # why the router would not take us (the process exits 2: configuration)
+        )
         self.last_router_msg = time.monotonic()
         self._register_at: float | None = None
         self._hinted = False

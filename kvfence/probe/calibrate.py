@@ -201,4 +201,13 @@ async def count_plan(plan: Plan, count: Counter) -> Plan:
     main: list[Job | list[Job]] = []
     for item in plan.main:
         main.append([await exact(j) for j in item] if isinstance(item, list) else await exact(item))
-    return Plan(main, [await exact(j) for j in plan.timing])
+    load = plan.load
+    if load is not None:
+        load = replace(
+            load,
+            quiet=[await exact(j) for j in load.quiet],
+            light=[await exact(j) for j in load.light],
+            busy=[await exact(j) for j in load.busy],
+            flood=[await exact(j) for j in load.flood],
+        )
+    return Plan(main, [await exact(j) for j in plan.timing], load)

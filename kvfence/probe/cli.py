@@ -33,6 +33,13 @@ def add_commands(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-
     )
     p.add_argument("--requests", type=int, default=200, help="requests to send, besides <= 7 for calibration")
     p.add_argument("--concurrency", type=int, default=8, help="requests in flight at once")
+    p.add_argument(
+        "--flood",
+        type=int,
+        default=16,
+        help="tenant A's long requests in flight at the load-timing check's heavy level (0: no check); the check "
+        "runs when --requests leaves room for its 18 probes, and sends up to 12x this many of A's requests on top",
+    )
     p.add_argument("--timeout", type=float, default=120.0, help="seconds per request")
     p.add_argument("--max-duration", type=float, default=900.0, help="seconds for the whole probe")
     p.add_argument("--chat", action="store_true", help="use /chat/completions (for chat-only servers)")
@@ -70,6 +77,7 @@ def cmd_probe(args: argparse.Namespace) -> int:
         args.max_duration,
         args.seed,
         progress=not args.no_progress,
+        flood=args.flood,
     )
     try:
         report = run_probe(config)
@@ -89,6 +97,8 @@ def _probe_arg_problem(args: argparse.Namespace, min_requests: int) -> str | Non
         return f"--requests must be at least {min_requests} (the attack mix has that many kinds of request)"
     if args.concurrency < 1 or args.timeout <= 0 or args.max_duration <= 0:
         return "--concurrency, --timeout and --max-duration must be positive"
+    if args.flood < 0:
+        return "--flood must be 0 (no load-timing check) or more"
     if args.context_length is not None and args.context_length < 64:
         return "--context-length below 64 leaves no room for the probe's prompts"
     if args.pool_tokens is not None and args.pool_tokens < 1:

@@ -13,6 +13,12 @@ A finding is something a correct server never does:
 - `prefix_timing`: B's probes that share A's long prefixes get their first token significantly sooner than
   shuffled controls of the same length (one-sided Mann-Whitney U, p < ALPHA, a median ratio under RATIO_LIMIT
   and a difference of at least MIN_TIMING_DIFF_S): a prefix cache shared across tenants, readable through timing.
+- `load_timing`: B's short probes get their first token significantly later while A keeps many long prompts in
+  flight (more than the server serves at once) than while A keeps a few (one-sided Mann-Whitney U, p < ALPHA),
+  by more than LOAD_RATIO_LIMIT times (median) and at least MIN_TIMING_DIFF_S: B waits in a queue that grows
+  with A's load, so A crowds B out and B can read how much A sends. B's time with A idle is reported, not
+  tested: on any server that shares its compute, B's request shares a step with A's work once A has any, so
+  idle against busy always differs by about one step; what a fair scheduler bounds is the growth beyond it.
 
 Failed requests (5xx, error events, timeouts) are not findings: failing closed is what a server should do when
 its integrity checks fire. They are counted in the notes.
@@ -37,6 +43,7 @@ ALPHA = 0.01
 RATIO_LIMIT = 0.7
 MIN_TIMING_DIFF_S = 0.01  # a prefix cache hit on a prefix worth timing saves at least this much
 MIN_TIMING_SAMPLES = 4
+LOAD_RATIO_LIMIT = 2.0  # heavy over light: a fair scheduler keeps B's wait at about one step at both
 _NO_USAGE_CHECK = (Kind.CALIBRATION,)
 
 
@@ -47,6 +54,7 @@ class FindingKind(Enum):
     USAGE_MISMATCH = "usage_mismatch"
     TOO_FAST = "too_fast"
     PREFIX_TIMING = "prefix_timing"
+    LOAD_TIMING = "load_timing"
 
 
 @dataclass(frozen=True, slots=True)
@@ -238,6 +246,89 @@ def prefix_timing(test: TimingTest) -> list[Finding]:
     ]
 
 
+@dataclass(frozen=True, slots=True)
+class LoadTest:
+    in_flight: int  # A's heavy level; 0: the check did not run
+    light_in_flight: int
+    median_quiet_s: float | None  # B's median time to first token with A idle (shown, not tested)
+    median_light_s: float | None
+    median_busy_s: float | None
+    num_light: int
+    num_busy: int
+    p_value: float | None  # None: not tested (see `skipped`)
+    skipped: str | None = None
+
+    @property
+    def ratio(self) -> float | None:
+        """B's median time to first token under A's heavy load over the same under its light load."""
+        if self.median_light_s is None or self.median_busy_s is None or self.median_light_s <= 0:
+            return None
+        return self.median_busy_s / self.median_light_s
+
+    @property
+    def significant(self) -> bool:
+        if self.p_value is None or self.ratio is None:
+            return False
+        assert self.median_busy_s is not None and self.median_light_s is not None
+        return (
+            self.p_value < ALPHA
+            and self.ratio > LOAD_RATIO_LIMIT
+            and self.median_busy_s - self.median_light_s >= MIN_TIMING_DIFF_S
+        )
+
+
+def load_test(results: Sequence[Result], in_flight: int, light_in_flight: int) -> LoadTest:
+    """B's probes under A's light load against B's probes under its heavy load (with A idle: shown). Not tested
+    without the flood (`in_flight` 0) or with too few replies on either side."""
+
+    def ttfts(kind: Kind) -> list[float]:
+        return [r.ttft_s for r in results if r.job.kind is kind and r.ok and r.ttft_s is not None]
+
+    quiet, light, busy = ttfts(Kind.LOAD_QUIET), ttfts(Kind.LOAD_LIGHT), ttfts(Kind.LOAD_BUSY)
+    skipped = None
+    if in_flight < 1:
+        skipped = "no flood (--flood below 2, or a budget of requests too small for it)"
+    elif min(len(light), len(busy)) < MIN_TIMING_SAMPLES:
+        skipped = f"too few replies ({len(light)} under A's light load, {len(busy)} under its heavy load)"
+    p = None if skipped else mann_whitney_less(light, busy)
+    return LoadTest(
+        in_flight,
+        light_in_flight,
+        _median(quiet),
+        _median(light),
+        _median(busy),
+        len(light),
+        len(busy),
+        p,
+        skipped,
+    )
+
+
+def load_timing(test: LoadTest) -> list[Finding]:
+    if not test.significant:
+        return []
+    assert test.median_light_s is not None and test.median_busy_s is not None and test.ratio is not None
+    return [
+        Finding(
+            FindingKind.LOAD_TIMING,
+            None,
+            f"B's first token took {test.median_busy_s * 1000:.0f} ms (median) while A kept {test.in_flight} "
+            f"requests in flight, against {test.median_light_s * 1000:.0f} ms while A kept "
+            f"{test.light_in_flight} ({test.ratio:.1f}x, Mann-Whitney U, one-sided p = {test.p_value:.2g}): B's "
+            "latency grows with A's load, which crowds B out and is readable through its latency",
+            {
+                "p_value": test.p_value,
+                "median_quiet_s": test.median_quiet_s,
+                "median_light_s": test.median_light_s,
+                "median_busy_s": test.median_busy_s,
+                "ratio": test.ratio,
+                "in_flight": test.in_flight,
+                "light_in_flight": test.light_in_flight,
+            },
+        )
+    ]
+
+
 def failures(results: Sequence[Result]) -> list[str]:
     """Notes: failed requests by code (not findings), and served-length prompts the server refused."""
     codes = Counter(r.error_code or f"http_{r.status}" for r in results if not r.ok and not r.rejected)
@@ -257,3 +348,7 @@ def failures(results: Sequence[Result]) -> list[str]:
             f"{len(refused)} prompt(s) within the advertised context were refused: {', '.join(refused[:8])}"
         )
     return notes
+
+
+def _median(xs: list[float]) -> float | None:
+    return statistics.median(xs) if xs else None

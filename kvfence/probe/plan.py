@@ -8,6 +8,9 @@ length, prompts over the KV pool when its size is known, `max_tokens` that pushe
 streams it aborts after a few tokens, a burst of simultaneous requests, and plain baits of many lengths. Every B
 prompt ends with the trigger line, so a B request that reads A's KV tends to print A's secret. After that, B's
 prefix-cache probes: A's long preambles (each once) against shuffled preambles of the same length, timed.
+Last, the load-timing check: B's short streamed probes one at a time, with A idle, then while A keeps a few long
+prompts in flight (light), then while A keeps `flood` in flight (heavy): more than the server can serve at once,
+so that a queue builds (each with a secret: pressure on the pool is when stale pages get read).
 """
 
 from __future__ import annotations
@@ -26,6 +29,15 @@ BAIT_MAX_TOKENS = 16
 ABORT_MAX_TOKENS = 64
 ABORT_AFTER_CHUNKS = 3
 TIMING_MAX_TOKENS = 8  # only the first token is timed; the rest is room to print a leaked secret
+NUM_LOAD_SAMPLES = 6  # B's probes per level of A's load (6 vs 6: the one-sided p can reach 1/924)
+LOAD_PROBE_TOKENS = 64  # B's load probes: short, so that their time to first token is mostly waiting
+FLOOD_MAX_TOKENS = 4  # A's flood is prompts: a short output keeps them queueing for the prefill
+MAX_FLOOD_TOKENS = 2048  # A's flood prompts: half the context, up to this
+FLOOD_ROUNDS = (
+    8  # A's flood sends up to this many requests per slot of its heavy level (a queue ahead of each
+)
+# of B's probes under fcfs is about one round: enough for every level)
+LIGHT_FRACTION = 4  # A's light level: `flood` / this in flight (at least 1)
 CANARY_TOKENS = 80  # three canary lines and the trigger, in the most verbose common tokenizers
 MAX_BAIT_TOKENS = 4096  # baits stay affordable on long-context targets; the boundary probes go to the limit
 BAIT_FRACTIONS = (
@@ -58,6 +70,10 @@ class Kind(Enum):
     BURST = "burst"  # B: one of several requests sent at the same moment
     PREFIX = "prefix"  # B: A's long preamble (prefix-cache timing)
     FRESH = "fresh"  # B: a shuffled preamble of the same length (the control)
+    LOAD_QUIET = "load_quiet"  # B: a short timed probe while A is idle
+    LOAD_LIGHT = "load_light"  # B: the same while A keeps a few requests in flight
+    LOAD_BUSY = "load_busy"  # B: the same while A floods
+    FLOOD = "flood"  # A: a long prompt with a secret, kept in flight by the load check
     CALIBRATION = "calibration"  # B: the probe's own calibration requests
 
 
@@ -82,16 +98,35 @@ class Job:
 
 
 @dataclass(frozen=True, slots=True)
+class LoadPlan:
+    """The load-timing check: B's `quiet` one at a time with A idle, `light` while A keeps `light_in_flight` of
+    `flood` in flight, `busy` while A keeps `in_flight` (the rest of the flood is not sent once `busy` is done)."""
+
+    quiet: list[Job]
+    light: list[Job]
+    busy: list[Job]
+    flood: list[Job]
+    light_in_flight: int
+    in_flight: int
+
+    def jobs(self) -> list[Job]:
+        return [*self.quiet, *self.light, *self.busy, *self.flood]
+
+
+@dataclass(frozen=True, slots=True)
 class Plan:
     main: list[Job | list[Job]]  # in start order; a list is a burst
     timing: list[Job]  # PREFIX and FRESH, alternating, run after `main`
+    load: LoadPlan | None = None  # run last; None: not enough budget, or --flood 0
 
     @property
     def num_requests(self) -> int:
-        return sum(len(j) if isinstance(j, list) else 1 for j in self.main) + len(self.timing)
+        """The attack mix, without A's flood (only as much of it is sent as the load check needs)."""
+        return len(self.jobs()) - (len(self.load.flood) if self.load else 0)
 
     def jobs(self) -> list[Job]:
-        return [x for j in self.main for x in (j if isinstance(j, list) else [j])] + self.timing
+        main = [x for j in self.main for x in (j if isinstance(j, list) else [j])]
+        return [*main, *self.timing, *(self.load.jobs() if self.load else [])]
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,17 +184,17 @@ class _Builder:
             group=group,
         )
 
-    def plant(self, index: int, preamble_tokens: int = 0) -> Job:
+    def plant(self, index: int, preamble_tokens: int = 0, kind: Kind | None = None) -> Job:
         secret = make_secret(self.rng, list(Form)[index % len(Form)])
         preamble = filler(self.rng, self.tokens.words_for(preamble_tokens)) if preamble_tokens else ""
         prompt = a_prompt(secret, preamble)
-        kind = Kind.PLANT_LONG if preamble else Kind.PLANT
+        kind = kind or (Kind.PLANT_LONG if preamble else Kind.PLANT)
         return self.job(
             Tenant.A,
             kind,
             prompt,
             self.tokens.text_range(prompt),
-            PLANT_MAX_TOKENS,
+            FLOOD_MAX_TOKENS if kind is Kind.FLOOD else PLANT_MAX_TOKENS,
             stream=index % 2 == 1,
             secret=secret,
         )
@@ -171,13 +206,22 @@ class _Builder:
 
 
 def build_plan(
-    rng: random.Random, num_requests: int, limits: Limits, tokens: TokenModel, concurrency: int
+    rng: random.Random,
+    num_requests: int,
+    limits: Limits,
+    tokens: TokenModel,
+    concurrency: int,
+    flood: int = 0,
 ) -> Plan:
     """`num_requests` (at least MIN_REQUESTS) jobs: the timing pairs with their long plants, the boundary
-    probes, aborted streams, a burst, and for the rest short plants and baits, 3 to 2: every B request is
-    scanned for leaks, and a leak is only as likely as A's secrets are common in the KV pool."""
+    probes, aborted streams, a burst, B's load-timing probes when the budget leaves room for them beyond
+    MIN_REQUESTS, and for the rest short plants and baits, 3 to 2: every B request is scanned for leaks, and a
+    leak is only as likely as A's secrets are common. On top: A's flood for the load check, up to FLOOD_ROUNDS x
+    `flood` requests (0: no check), of which only those needed are sent."""
     assert num_requests >= MIN_REQUESTS
     b = _Builder(rng, limits, tokens)
+    load = _load_check(b, flood, num_requests - MIN_REQUESTS)
+    num_requests -= 3 * NUM_LOAD_SAMPLES if load else 0
     ctx = limits.capacity
     preamble = max(8, min(ctx // 4, ctx - PLANT_MAX_TOKENS - CANARY_TOKENS, 1024))
     long_plants = [b.plant(i, preamble) for i in range(NUM_TIMING_PAIRS)]
@@ -191,7 +235,24 @@ def build_plan(
     b_jobs += [b.bait(i) for i in range(rest - rest * 3 // 5)]
     rng.shuffle(plants)
     rng.shuffle(b_jobs)
-    return Plan(_interleave(plants, b_jobs), timing)
+    return Plan(_interleave(plants, b_jobs), timing, load)
+
+
+def _load_check(b: _Builder, in_flight: int, budget: int) -> LoadPlan | None:
+    """B's probes at three levels of A's load (within `budget`), and A's flood on top: FLOOD_ROUNDS requests per
+    slot of its heavy level; None when `in_flight` is below 2 (no light level below it) or `budget` is short."""
+    if in_flight < 2 or budget < 3 * NUM_LOAD_SAMPLES:
+        return None
+    ctx = b.limits.capacity
+    size = max(8, min(ctx // 2, ctx - FLOOD_MAX_TOKENS - CANARY_TOKENS, MAX_FLOOD_TOKENS))
+    probe = min(LOAD_PROBE_TOKENS, max(8, ctx // 8))
+
+    def probes(kind: Kind) -> list[Job]:
+        return [b.b_sized(kind, probe, TIMING_MAX_TOKENS, stream=True) for _ in range(NUM_LOAD_SAMPLES)]
+
+    quiet, light, busy = probes(Kind.LOAD_QUIET), probes(Kind.LOAD_LIGHT), probes(Kind.LOAD_BUSY)
+    flood = [b.plant(i, size, Kind.FLOOD) for i in range(FLOOD_ROUNDS * in_flight)]
+    return LoadPlan(quiet, light, busy, flood, max(1, in_flight // LIGHT_FRACTION), in_flight)
 
 
 def _boundary_jobs(b: _Builder) -> list[Job]:

@@ -12,7 +12,7 @@ from typing import Any
 
 from kvfence.probe.calibrate import Calibration
 from kvfence.probe.client import Result, Target
-from kvfence.probe.findings import Finding, FindingKind, TimingTest
+from kvfence.probe.findings import Finding, FindingKind, LoadTest, TimingTest
 
 REPORT_VERSION = 1
 
@@ -24,6 +24,7 @@ class ProbeReport:
     results: list[Result]  # calibration requests included
     findings: list[Finding]
     timing: TimingTest
+    load: LoadTest
     notes: list[str]
     planned: int
     complete: bool
@@ -51,6 +52,7 @@ class ProbeReport:
             f"  requests        {len(self.results)} sent (A {tenants['A']}, B {tenants['B']}) in "
             f"{self.elapsed_s:.1f} s: {outcomes}",
             f"  prefix timing   {_timing_line(self.timing)}",
+            f"  load timing     {_load_line(self.load)}",
         ]
         lines += [f"  note: {n}" for n in self.notes]
         if self.findings:
@@ -102,6 +104,18 @@ class ProbeReport:
                 "p_value": self.timing.p_value,
                 "significant": self.timing.significant,
             },
+            "load_timing": {
+                "in_flight": self.load.in_flight,
+                "light_in_flight": self.load.light_in_flight,
+                "num_light": self.load.num_light,
+                "num_busy": self.load.num_busy,
+                "median_quiet_s": self.load.median_quiet_s,
+                "median_light_s": self.load.median_light_s,
+                "median_busy_s": self.load.median_busy_s,
+                "ratio": self.load.ratio,
+                "p_value": self.load.p_value,
+                "significant": self.load.significant,
+            },
             "notes": self.notes,
             "results": [_result_json(r) for r in self.results],
         }
@@ -123,6 +137,17 @@ def _timing_line(t: TimingTest) -> str:
     return (
         f"prefix {t.median_prefix_s * 1000:.0f} ms vs fresh {t.median_fresh_s * 1000:.0f} ms (median "
         f"TTFT, {t.num_prefix} vs {t.num_fresh}), one-sided p = {t.p_value:.2g}"
+    )
+
+
+def _load_line(t: LoadTest) -> str:
+    if t.p_value is None or t.median_light_s is None or t.median_busy_s is None:
+        return f"not tested: {t.skipped}"
+    idle = f"{t.median_quiet_s * 1000:.0f} ms" if t.median_quiet_s is not None else "?"
+    return (
+        f"B's TTFT {idle} with A idle, {t.median_light_s * 1000:.0f} ms with A's {t.light_in_flight} in flight, "
+        f"{t.median_busy_s * 1000:.0f} ms with A's {t.in_flight} ({t.ratio:.1f}x, median, {t.num_light} vs "
+        f"{t.num_busy}), one-sided p = {t.p_value:.2g}"
     )
 
 
