@@ -12,6 +12,8 @@ scheduling decisions and counters, never on wall-clock time.
 from __future__ import annotations
 
 import json
+import re
+import time
 from typing import Any
 
 import httpx
@@ -376,6 +378,12 @@ def test_pd_serve_applies_the_keys_files_shares_and_refuses_a_pool_below_the_gua
         assert "your tenant may hold at most 16 pages" in refused.value.message
         small = a.completions.create(model=tiny_dir.name, prompt=prompt[:20], max_tokens=8, temperature=0)
         assert small.usage.completion_tokens >= 1
+        # each worker's per-tenant numbers reach the router's /metrics with its heartbeats
+        deadline = time.monotonic() + 30
+        while not _worker_counters(base, "a") or not _worker_counters(base, "b"):
+            assert time.monotonic() < deadline, "no per-tenant worker metrics"
+            time.sleep(0.2)  # poll interval: heartbeats come every second
+        assert {role for role, _ in _worker_counters(base, "a")} == {"prefill", "decode"}
     keys.write_text('[tenants.a]\nkeys = ["ka"]\nmin_pages = 40\n')  # more than the prefill pool's 32 pages
     cmd = [sys.executable, "-m", "kvfence", "serve", "--mode", "pd", "--model", str(tiny_dir), "--port",
            str(free_port()), "--api-keys", str(keys), "--threads", "2", "--dtype", "float32", *flags]  # fmt: skip
@@ -383,3 +391,13 @@ def test_pd_serve_applies_the_keys_files_shares_and_refuses_a_pool_below_the_gua
     assert done.returncode == 1, done.stderr[-2000:]
     assert "min_pages add up to 40, more than this prefill worker's pool of 32 pages" in done.stderr
     assert "a configuration error, not restarted" in done.stderr
+
+
+def _worker_counters(base: str, tenant: str) -> list[tuple[str, float]]:
+    """(role, counter) of `tenant` on each worker that has served it, from the router's /metrics."""
+    text = httpx.get(f"{base}/metrics", headers={"Authorization": f"Bearer {SCRAPE_KEY}"}).text
+    found = re.findall(
+        rf'kvfence_worker_tenant_virtual_tokens_total{{role="(\w+)",tenant="{tenant}",worker="[^"]+"}} (\S+)',
+        text,
+    )
+    return [(role, float(v)) for role, v in found if float(v) > 0]

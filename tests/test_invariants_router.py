@@ -263,4 +263,14 @@ def test_a_heartbeat_with_malformed_counts_is_refused():
     for pool in ({"num_pages": "64", "num_free": 1}, {"num_free": 3}, {"num_pages": 4, "num_free": -1}):
         core.on_message(b"D", control.Heartbeat(worker=b"D".hex(), pool=pool))
     core.on_message(b"D", control.Heartbeat(worker=b"D".hex(), num_waiting=True))
-    assert core.refused["malformed_heartbeat"] == 4 and core.workers[b"D"].health == {}
+    good = {"pages": 4, "running": 1, "waiting": 0, "virtual_tokens": 10.0}
+    for numbers in (
+        {**good, "pages": -1},
+        {**good, "virtual_tokens": float("inf")},
+        {"pages": 4},
+        {**good, "x": 1},
+    ):
+        core.on_message(b"D", control.Heartbeat(worker=b"D".hex(), tenants={"a": numbers}))
+    assert core.refused["malformed_heartbeat"] == 8 and core.workers[b"D"].health == {}
+    core.on_message(b"D", control.Heartbeat(worker=b"D".hex(), tenants={"a": good}))
+    assert core.workers[b"D"].health["tenants"] == {"a": good}

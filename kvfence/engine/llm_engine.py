@@ -411,10 +411,11 @@ class LLMEngine(PDHandover):
             pages_checked=self.stats.pages_checked,
             outcomes=dict(self.stats.outcomes),
             prefix_cache=cache.stats() if cache is not None else None,
-            tenants=self._tenant_snapshots(),
+            tenants=self.tenant_snapshots(),
         )
 
-    def _tenant_snapshots(self) -> dict[str, TenantSnapshot]:
+    def tenant_snapshots(self) -> dict[str, TenantSnapshot]:
+        """Each tenant with a counter or work: pages held, requests running and waiting, its counter."""
         s = self.scheduler
         held = s.held_pages()
         tenants = set(s.fairness.counters) | s.backlogged()

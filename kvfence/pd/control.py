@@ -130,6 +130,8 @@ class Heartbeat(ControlMessage):
     refused: dict[str, int] | None = None  # what the worker refused (I10), by reason
     num_waiting: int | None = None  # requests in the worker's own queue (placement by load)
     num_running: int | None = None
+    # tenant -> pages, running, waiting, virtual_tokens (the worker's part of the per-tenant metrics)
+    tenants: dict[str, dict[str, float]] | None = None
 
 
 @_message

@@ -12,13 +12,14 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from kvfence.config import PDOptions
 from kvfence.engine.llm_engine import LLMEngine
 from kvfence.engine.output import RequestOutput
 from kvfence.engine.request import Request, SamplingParams
+from kvfence.engine.stats import TenantSnapshot
 from kvfence.ids import RequestId
 from kvfence.kv.pool import PoolExhausted
 from kvfence.pd import control
@@ -92,6 +93,15 @@ class DecodeRole(Role):
     def held_pages(self) -> dict[str, int]:
         """Pages each tenant holds here: its running requests' and its reservations'."""
         return self.engine.scheduler.held_pages()
+
+    def tenant_snapshots(self) -> dict[str, TenantSnapshot]:
+        """The engine's, with requests queued here for pages counted as waiting (reservations are in pages)."""
+        tenants = self.engine.tenant_snapshots()
+        for msg, _ in self.queued.values():
+            counter = self.engine.scheduler.fairness.counters.get(msg.tenant, 0.0)
+            t = tenants.get(msg.tenant) or TenantSnapshot(0, 0, 0, counter)
+            tenants[msg.tenant] = replace(t, waiting=t.waiting + 1)
+        return tenants
 
     def _reserved(self) -> dict[str, int]:
         """Pages each tenant's reservations hold (the scheduler counts them as held: fairness, caps)."""

@@ -27,6 +27,7 @@ from kvfence.engine.stats import EngineSnapshot, EngineStats
 from kvfence.kv.pool import PoolStats
 from kvfence.model.tokenizer import Tokenizer
 from kvfence.pd.router import NoWorkers, Router
+from kvfence.pd.router_core import WorkerInfo
 
 STEP_WAIT_S = 0.05
 REGISTRATION_REFUSALS = (
@@ -179,6 +180,7 @@ class WorkersCollector(Collector):
                 pages.add_metric([w.role, name, state], value)
             total.add_metric([w.role, name], pool["num_pages"])
             failures.add_metric([w.role, name], w.health.get("integrity_failures", 0))
+        yield from _worker_tenant_metrics(live)
         dropped = CounterMetricFamily("kvfence_router_control_dropped", "Control messages from workers the router "
                                       "dropped, by reason (malformed, unknown op, unexpected; and what the I10 "
                                       "binding refused: not_placed_here, unregistered, ...)",
@@ -227,3 +229,24 @@ class WorkersCollector(Collector):
 
     def describe(self) -> Iterator[Metric]:
         return iter(())
+
+
+def _worker_tenant_metrics(live: list[WorkerInfo]) -> Iterator[Metric]:
+    """Per tenant on each worker, from its latest heartbeat: what the colocated server's kvfence_tenant_* say."""
+    labels = ["role", "worker", "tenant"]
+    families: dict[str, GaugeMetricFamily | CounterMetricFamily] = {
+        "pages": GaugeMetricFamily("kvfence_worker_tenant_kv_pages", "KV pages a tenant holds on the worker "
+                                   "(running requests, and transfers: prefilled pages, decode reservations)",
+                                   labels=labels),
+        "running": GaugeMetricFamily("kvfence_worker_tenant_requests_running", "A tenant's requests in the "
+                                     "worker's running batch", labels=labels),
+        "waiting": GaugeMetricFamily("kvfence_worker_tenant_requests_waiting", "A tenant's requests waiting on "
+                                     "the worker (its queue; a decode worker's queue for pages too)", labels=labels),
+        "virtual_tokens": CounterMetricFamily("kvfence_worker_tenant_virtual_tokens", "A tenant's virtual token "
+                                              "counter on the worker (docs/fairness.md)", labels=labels),
+    }  # fmt: skip
+    for w in live:
+        for tenant, numbers in sorted((w.health.get("tenants") or {}).items()):
+            for key, family in families.items():
+                family.add_metric([w.role, f"{w.role}-{w.pid}", tenant], numbers[key])
+    yield from families.values()

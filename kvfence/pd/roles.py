@@ -31,6 +31,7 @@ from kvfence.engine.errors import AdmissionError
 from kvfence.engine.llm_engine import LLMEngine
 from kvfence.engine.output import RequestOutput
 from kvfence.engine.request import Request, SamplingParams
+from kvfence.engine.stats import TenantSnapshot
 from kvfence.ids import RequestId
 from kvfence.pd import control
 from kvfence.pd.control import ControlMessage
@@ -75,6 +76,11 @@ class Role:
         message = self.control.decode(frame)
         if message is not None:
             self.control(message)
+
+    def tenant_snapshots(self) -> dict[str, TenantSnapshot]:
+        """Each tenant here (heartbeats: the router's per-tenant metrics); a role adds what waits outside the
+        engine."""
+        return self.engine.tenant_snapshots()
 
     def step(self) -> bool:
         """One engine step, if there is work, and what follows from it. Returns whether another step could run

@@ -18,6 +18,7 @@ from __future__ import annotations
 import collections
 import itertools
 import logging
+import math
 import os
 import time
 from collections import Counter
@@ -139,6 +140,24 @@ def _counts_ok(pool: Mapping[str, Any] | None) -> bool:
     if "num_pages" not in pool or "num_free" not in pool:
         return False
     return all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in pool.values())
+
+
+TENANT_FIELDS = frozenset({"pages", "running", "waiting", "virtual_tokens"})
+
+
+def _tenants_ok(tenants: Mapping[str, Any] | None) -> bool:
+    """A heartbeat's per-tenant numbers: each tenant's four fields, non-negative finite numbers."""
+    if tenants is None:
+        return True
+    return all(
+        isinstance(numbers, dict)
+        and set(numbers) == TENANT_FIELDS
+        and all(
+            isinstance(v, int | float) and not isinstance(v, bool) and 0 <= v < math.inf
+            for v in numbers.values()
+        )
+        for numbers in tenants.values()
+    )
 
 
 def _drain_key(w: WorkerInfo, keyed: bool) -> str:
@@ -422,15 +441,24 @@ class RouterCore:
             return
         if worker.principal != principal:
             return self.refuse("heartbeat_for_another_worker", msg)
-        if not _counts_ok(msg.pool) or not all(
-            v is None or (isinstance(v, int) and not isinstance(v, bool) and v >= 0)
-            for v in (msg.pool_free, msg.num_waiting, msg.num_running, msg.integrity_failures)
+        if (
+            not _counts_ok(msg.pool)
+            or not _tenants_ok(msg.tenants)
+            or not all(
+                v is None or (isinstance(v, int) and not isinstance(v, bool) and v >= 0)
+                for v in (msg.pool_free, msg.num_waiting, msg.num_running, msg.integrity_failures)
+            )
         ):
             return self.refuse("malformed_heartbeat", msg)  # placement and /metrics read these numbers
         worker.last_seen = self.clock()
         worker.pool_free = msg.pool_free
         worker.num_waiting = msg.num_waiting
-        health = {"pool": msg.pool, "integrity_failures": msg.integrity_failures, "refused": msg.refused}
+        health = {
+            "pool": msg.pool,
+            "integrity_failures": msg.integrity_failures,
+            "refused": msg.refused,
+            "tenants": msg.tenants,
+        }
         worker.health = {k: v for k, v in health.items() if v is not None}
 
     def reap_dead_workers(self) -> None:

@@ -155,7 +155,14 @@ class Worker:
             refused=self.refused_counts(),
             num_waiting=len(self.engine.scheduler.waiting),
             num_running=len(self.engine.scheduler.running),
+            tenants=self._tenants(),
         )
+
+    def _tenants(self) -> dict[str, dict[str, float]]:
+        """Each tenant's pages, requests and counter here (no role yet, from __init__: none)."""
+        if not hasattr(self, "role"):
+            return {}
+        return {t: asdict(s) for t, s in self.role.tenant_snapshots().items()}
 
     def refused_counts(self) -> dict[str, int]:
         """What this worker refused (I10), by reason: tickets from the wrong decode worker, failed handshakes
