@@ -7,8 +7,10 @@
 #                               # STRUCTURED_ROUNDS=N alternating rounds (default 2)
 #   bench/peers.sh fairness     # noisy neighbour (bench/fairness.py): tenant B's W1 alone and while tenant A
 #                               # floods (16 in flight, 1,700-token prompts; FAIRNESS_HARD=1 adds 64 in flight,
-#                               # 2,000-token prompts), against kvfence vtc, kvfence fcfs and vLLM (issue 25);
-#                               # FAIRNESS_POLICIES="vtc" and FAIRNESS_VLLM=0 narrow it
+#                               # 2,000-token prompts), against kvfence (vtc with B's weight 1, 4 and 8; fcfs)
+#                               # and vLLM (issue 25); FAIRNESS_POLICIES="vtc vtc-w8 vtc-t512 fcfs" picks the
+#                               # kvfence configurations (-wN: B's weight, -tN: --max-num-batched-tokens),
+#                               # FAIRNESS_VLLM=0 skips vLLM
 #   bench/peers.sh quality      # llama.cpp's KL divergence of the Q4_1 GGUF against its F32 weights
 #                               # (bench/llamacpp_quality.py; results in $RESULTS/quality, issue 20)
 #   bench/peers.sh rounds N     # N rounds of vLLM against kvfence (colocated and PD), order swapped each round
@@ -319,15 +321,20 @@ fairness_loads() {  # fairness_loads LABEL: bench/fairness.py's loads against th
   done
 }
 
-run_fairness() {  # servers: kvfence vtc (equal weights), vtc-w4 (B weighs 4), fcfs; then vLLM
-  local keys=$RESULTS/fairness-keys.toml policy pid
-  for policy in ${FAIRNESS_POLICIES:-vtc vtc-w4 fcfs}; do
+run_fairness() {  # kvfence configurations in FAIRNESS_POLICIES, then vLLM. A configuration is a policy (vtc,
+  # fcfs) with optional suffixes: -wN (tenant B's weight N), -tN (--max-num-batched-tokens N)
+  local keys=$RESULTS/fairness-keys.toml config policy pid weight tokens
+  for config in ${FAIRNESS_POLICIES:-vtc vtc-w4 vtc-w8 fcfs}; do
+    policy=${config%%-*}
+    weight=$(grep -o -- '-w[0-9.]*' <<<"$config" | cut -c3- || true)
+    tokens=$(grep -o -- '-t[0-9]*' <<<"$config" | cut -c3- || true)
     printf '[tenants.a]\nkeys = ["key-a"]\n[tenants.b]\nkeys = ["key-b"]\n' >"$keys"
-    [[ $policy == vtc-w4 ]] && printf 'weight = 4.0\n' >>"$keys"
+    [[ -n $weight ]] && printf 'weight = %s\n' "$weight" >>"$keys"
     "$ROOT/.venv/bin/kvfence" serve --port "$PORT" --threads "$THREADS" --dtype bfloat16 --api-keys "$keys" \
-      --scheduling-policy "${policy%-w4}" >"$RESULTS/kvfence-fairness-$policy.log" 2>&1 &
+      --scheduling-policy "$policy" ${tokens:+--max-num-batched-tokens "$tokens"} \
+      >"$RESULTS/kvfence-fairness-$config.log" 2>&1 &
     pid=$!
-    wait_healthy "http://127.0.0.1:$PORT/health" "$pid" 300 && fairness_loads "kvfence-$policy"
+    wait_healthy "http://127.0.0.1:$PORT/health" "$pid" 300 && fairness_loads "kvfence-$config"
     stop "$pid"
   done
   if [[ ${FAIRNESS_VLLM:-1} == 1 ]]; then
