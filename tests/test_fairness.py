@@ -135,6 +135,26 @@ def test_a_guarantee_stays_free_for_its_tenant_while_another_floods(tiny_model):
     assert 0 < most_a_holds("vtc") <= 24 < most_a_holds("fcfs")
 
 
+def test_pages_held_outside_the_scheduler_count_for_shares_but_never_stall_the_gate(tiny_model):
+    """PD: a tenant whose only pages await a transfer (prefill) or a reservation (decode) has nothing to run: the
+    prefill gate must not hold back a tenant far ahead of it (an empty step), while its guarantee still keeps
+    pages from the other tenant."""
+    engine = make_engine(
+        tiny_model, policy="vtc", kv_pages=32, max_num_batched_tokens=64, prefill_batch_tokens=16
+    )
+    engine.set_tenants({"X": TenantShare(min_pages=16)})
+    engine.scheduler.reserved_pages = lambda: {"X": 0}  # queued for a reservation, or its pages in flight
+    ids = list(range(3, 3 + 40))  # 44 tokens with the output: 11 pages of 4; X's guarantee leaves A 16 of 32
+    engine.add_request(ids, SamplingParams(max_tokens=4, ignore_eos=True), "a0", tenant="A")
+    engine.add_request(ids, SamplingParams(max_tokens=4, ignore_eos=True), "a1", tenant="A")
+    engine.scheduler.fairness.counters.update({"X": 0.0, "A": 10_000.0})  # A far ahead of X
+    top = 0
+    for _ in steps(engine):
+        top = max(top, engine.scheduler.held_pages().get("A", 0))
+    assert engine.scheduler.fairness.counters["A"] > 10_000.0  # A ran, far ahead of X's counter
+    assert 0 < top <= 16  # never into the pages X is guaranteed
+
+
 def test_a_capped_tenant_never_holds_more_than_its_cap(tiny_model):
     shares = {"A": TenantShare(max_pages=20)}
     top = 0

@@ -184,7 +184,10 @@ def test_a_worker_refused_by_its_preflight_is_not_restarted_and_serve_exits(tiny
            "--kv-pages", "96", "--decode-kv-pages", "8", "--dtype", "float32", "--port", "0"]  # fmt: skip
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
     assert done.returncode == 1, done.stderr[-3000:]
-    assert "before registering" in done.stderr and "the workers did not register" in done.stderr
+    assert (
+        "a configuration error, not restarted" in done.stderr
+        and "the workers did not register" in done.stderr
+    )
     assert (
         done.stderr.count("refused: the KV pool holds") + done.stdout.count("refused: the KV pool holds") == 1
     )

@@ -314,8 +314,12 @@ class FakeServer:
     """A minimal OpenAI-compatible server: one word is one token (plus one), /tokenize, keys, streaming.
     `leaky`: replies carry the previous request's prompt (someone else's text). `lenient`: never rejects."""
 
-    def __init__(self, context_length: int = 512, leaky: bool = False, lenient: bool = False) -> None:
+    def __init__(
+        self, context_length: int = 512, leaky: bool = False, lenient: bool = False, b_latency_s: float = 0.0
+    ) -> None:
+        """`b_latency_s`: tenant B's replies take this long (the server's own pace, not the test's timing)."""
         self.context_length, self.leaky, self.lenient = context_length, leaky, lenient
+        self.b_latency_s = b_latency_s
         self.prompts: deque[str] = deque(maxlen=4)
 
     def count(self, body: dict[str, Any]) -> int:
@@ -344,6 +348,8 @@ class FakeServer:
         @app.post("/v1/completions")
         async def completions(request: Request) -> Response:
             body = await request.json()
+            if request.headers.get("authorization") == "Bearer key-b":
+                await asyncio.sleep(self.b_latency_s)
             n = self.count(body)
             if n + body["max_tokens"] > self.context_length and not self.lenient:
                 error = {
@@ -396,6 +402,17 @@ def test_an_honest_server_is_clean(tmp_path):
         report["requests"]["sent"] == 40 + 4
     )  # the budget plus calibration (prefill rate; /tokenize counts)
     assert report["requests"]["outcomes"]["rejected (400)"] == 3  # at, over, over_output
+
+
+def test_the_load_check_finishes_when_the_flood_runs_out_before_the_heavy_level(tmp_path):
+    """A server that answers A at once and B in 50 ms: A's whole flood is answered while B still probes the light
+    level, and the heavy level must not wait for a flood request that will never be sent (the run ends complete,
+    every probe answered)."""
+    with fake(b_latency_s=0.05) as url:
+        status, report = probe(url, tmp_path, "--flood", "2", "--max-duration", "60", requests=60)
+    load = report["load_timing"]
+    assert report["complete"] and (load["num_light"], load["num_busy"]) == (6, 6), (report["notes"], load)
+    assert status == 0 and not load["significant"]
 
 
 def test_a_server_that_serves_other_requests_text_is_caught_leaking(tmp_path):

@@ -139,6 +139,19 @@ def test_a_worker_that_exits_before_registering_is_a_configuration_error_and_not
     assert [s["state"] for s in sup.status()] == ["given_up", "restarting"]
 
 
+def test_a_worker_its_router_refuses_after_it_registered_is_not_restarted():
+    """Exit 2 is a configuration error whenever it comes (a router restarted with tenants' guarantees its pool
+    cannot hold refuses it on re-registration); a worker that registered and crashed with 1 is restarted."""
+    sup, _router, _clock, started = supervisor(RestartPolicy(max_restarts=5))
+    sup.add("prefill")
+    sup.add("decode")
+    sup.tick()
+    started[0].status = 2
+    started[1].status = 1
+    sup.tick()
+    assert [s["state"] for s in sup.status()] == ["given_up", "restarting"]
+
+
 def test_stop_stops_every_worker():
     sup, _, _, started = supervisor(RestartPolicy())
     sup.scale(1, 2)

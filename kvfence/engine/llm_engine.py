@@ -418,7 +418,7 @@ class LLMEngine(PDHandover):
         """Each tenant with a counter or work: pages held, requests running and waiting, its counter."""
         s = self.scheduler
         held = s.held_pages()
-        tenants = set(s.fairness.counters) | s.backlogged()
+        tenants = set(s.fairness.counters) | s.holders()
         return {
             t: TenantSnapshot(
                 pages=held.get(t, 0),

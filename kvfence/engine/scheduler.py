@@ -71,7 +71,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.handed_off: list[Request] = []  # PD prefill: requests whose pages await a transfer
         # pages tenants hold outside the scheduler, for fairness (PD: prefilled requests awaiting their transfer,
-        # decode reservations); the PD roles set it
+        # decode reservations, and 0 for a tenant queued for a reservation); the PD roles set it
         self.reserved_pages: Callable[[], Mapping[str, int]] = dict
 
     def add(self, request: Request) -> None:
@@ -82,10 +82,14 @@ class Scheduler:
         self.waiting.append(request)
 
     def backlogged(self) -> set[str]:
-        """Tenants with requests waiting or running, or pages reserved."""
-        return (
-            {r.tenant for r in self.waiting} | {r.tenant for r in self.running} | set(self.reserved_pages())
-        )
+        """Tenants with requests waiting or running here: the counters' order and the prefill gate (a tenant
+        whose only pages await a transfer has nothing to run, and must not hold the others back)."""
+        return {r.tenant for r in self.waiting} | {r.tenant for r in self.running}
+
+    def holders(self) -> set[str]:
+        """Tenants with work or pages here, in the scheduler or outside it: the page shares (guarantees,
+        preemption victims)."""
+        return self.backlogged() | set(self.reserved_pages())
 
     def held_pages(self) -> dict[str, int]:
         """Pages each tenant holds: its running requests', and its pages outside the scheduler (PD: prefilled
@@ -179,7 +183,7 @@ class Scheduler:
         if not self.fairness.enabled or pages <= 0:
             return True
         free = self.pool.num_free
-        return self.fairness.may_take(request.tenant, pages, free, self.held_pages(), self.backlogged())
+        return self.fairness.may_take(request.tenant, pages, free, self.held_pages(), self.holders())
 
     def _victim(self, queue: list[Request], request: Request) -> Request:
         """Whom to preempt so that `request` can grow: a running request not yet scheduled this step (`queue`)
@@ -193,7 +197,7 @@ class Scheduler:
                 newest[r.tenant] = r
         newest.setdefault(request.tenant, request)
         held = self.held_pages()
-        tenant = self.fairness.victim(held, {t: len(r.pages) for t, r in newest.items()}, self.backlogged())
+        tenant = self.fairness.victim(held, {t: len(r.pages) for t, r in newest.items()}, self.holders())
         return request if tenant is None else newest[tenant]
 
     def _make_room(self, request: Request, num_new: int, scheduled: list[Scheduled]) -> bool:
@@ -205,7 +209,7 @@ class Scheduler:
         need = self.pool.pages_for(min(request.num_tokens, num_new))
         in_step = {s.request.request_id for s in scheduled}
         while not self.pool.can_allocate(need):
-            backlogged, held = self.backlogged(), self.held_pages()
+            backlogged, held = self.holders(), self.held_pages()
             if held.get(request.tenant, 0) >= self.fairness.fair_pages(request.tenant, backlogged):
                 return False  # at its share already: it waits like anyone else
             newest: dict[str, Request] = {}

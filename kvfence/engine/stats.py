@@ -30,7 +30,7 @@ class EngineStats:
 class TenantSnapshot:
     """One tenant in the scheduler, between steps (engine/fairness.py)."""
 
-    pages: int  # held by its running requests
+    pages: int  # held by its running requests (PD: and its prefilled pages awaiting a transfer, its reservations)
     running: int
     waiting: int
     virtual_tokens: float  # its virtual token counter: weighted service received

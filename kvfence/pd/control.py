@@ -7,7 +7,9 @@ ZeroMQ frame (`{"op": ..., field: value, ...}`), decoded and type-checked field 
                                                       worker's scheduler applies them, engine/fairness.py)
     refused     Refused        router -> worker       reason, retry (the key is in use: try again later)
     reregister  Reregister     router -> worker       -  (a heartbeat from a worker the router does not know)
-    heartbeat   Heartbeat      worker -> router       worker (its control identity), pool_free, pool, integrity_failures
+    heartbeat   Heartbeat      worker -> router       worker (its control identity), pool_free, pool,
+                                                      integrity_failures, refused, num_waiting, num_running,
+                                                      tenants (per tenant: pages, running, waiting, virtual_tokens)
     ping        Ping           router -> worker       -  (a worker exits when its router goes silent)
     shutdown    Shutdown       router -> worker       -
     prefill     Prefill        router -> prefill      request_id, transfer_id, prompt_ids, params, tenant,

@@ -63,7 +63,8 @@ class DecodeRole(Role):
         self.transfer_timeout_s = options.transfer_timeout
         self.prefill_timeout_s = options.prefill_timeout
         self.incoming: dict[TransferId, _Incoming] = {}
-        # admitted, waiting for pages to reserve (FIFO), with when they came: the decode pool is busy right now
+        # admitted, waiting for pages to reserve (in arrival order; taken in the fairness policy's), with when they
+        # came: the decode pool is busy right now
         self.queued: OrderedDict[RequestId, tuple[control.Expect, float]] = OrderedDict()
         engine.scheduler.reserved_pages = self._reserved
 
@@ -88,11 +89,7 @@ class DecodeRole(Role):
 
     def backlogged(self) -> set[str]:
         """Tenants with work here: queued, reserved, or in the engine."""
-        return self.engine.scheduler.backlogged() | {msg.tenant for msg, _ in self.queued.values()}
-
-    def held_pages(self) -> dict[str, int]:
-        """Pages each tenant holds here: its running requests' and its reservations'."""
-        return self.engine.scheduler.held_pages()
+        return self.engine.scheduler.holders()
 
     def tenant_snapshots(self) -> dict[str, TenantSnapshot]:
         """The engine's, with requests queued here for pages counted as waiting (reservations are in pages)."""
@@ -104,8 +101,9 @@ class DecodeRole(Role):
         return tenants
 
     def _reserved(self) -> dict[str, int]:
-        """Pages each tenant's reservations hold (the scheduler counts them as held: fairness, caps)."""
-        held: dict[str, int] = {}
+        """Pages each tenant's reservations hold (the scheduler counts them as held: fairness, caps), and 0 for a
+        tenant queued for one (its guarantee is kept for it)."""
+        held: dict[str, int] = {msg.tenant: 0 for msg, _ in self.queued.values()}
         for entry in self.incoming.values():
             held[entry.tenant] = held.get(entry.tenant, 0) + entry.num_pages
         return held
@@ -134,7 +132,7 @@ class DecodeRole(Role):
             if not pool.can_allocate(num_pages + len(self.engine.scheduler.running)):
                 return
             if fairness.enabled and not fairness.may_take(
-                msg.tenant, num_pages, pool.num_free, self.held_pages(), self.backlogged()
+                msg.tenant, num_pages, pool.num_free, self.engine.scheduler.held_pages(), self.backlogged()
             ):
                 skip.add(msg.tenant)
                 continue

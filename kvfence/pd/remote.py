@@ -36,6 +36,7 @@ REGISTRATION_REFUSALS = (
     "duplicate_registration",
     "fingerprint_mismatch",
     "malformed_fingerprint",
+    "tenant_shares",
 )
 
 

@@ -143,13 +143,15 @@ def _counts_ok(pool: Mapping[str, Any] | None) -> bool:
 
 
 TENANT_FIELDS = frozenset({"pages", "running", "waiting", "virtual_tokens"})
+MAX_HEARTBEAT_TENANTS = 4096  # a worker's per-tenant numbers become /metrics labels: bounded
 
 
 def _tenants_ok(tenants: Mapping[str, Any] | None) -> bool:
-    """A heartbeat's per-tenant numbers: each tenant's four fields, non-negative finite numbers."""
+    """A heartbeat's per-tenant numbers: at most MAX_HEARTBEAT_TENANTS tenants, each with its four fields,
+    non-negative finite numbers."""
     if tenants is None:
         return True
-    return all(
+    return len(tenants) <= MAX_HEARTBEAT_TENANTS and all(
         isinstance(numbers, dict)
         and set(numbers) == TENANT_FIELDS
         and all(

@@ -208,6 +208,6 @@ async def count_plan(plan: Plan, count: Counter) -> Plan:
             quiet=[await exact(j) for j in load.quiet],
             light=[await exact(j) for j in load.light],
             busy=[await exact(j) for j in load.busy],
-            flood=[await exact(j) for j in load.flood],
+            # (A's flood is not counted: up to 8 x --flood long prompts, most never sent, judged for leaks only)
         )
     return Plan(main, [await exact(j) for j in plan.timing], load)

@@ -38,7 +38,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-
         type=int,
         default=16,
         help="tenant A's long requests in flight at the load-timing check's heavy level (0: no check); the check "
-        "runs when --requests leaves room for its 18 probes, and sends up to 12x this many of A's requests on top",
+        "runs when --requests leaves room for its 18 probes, and sends up to 8x this many of A's requests on top",
     )
     p.add_argument("--timeout", type=float, default=120.0, help="seconds per request")
     p.add_argument("--max-duration", type=float, default=900.0, help="seconds for the whole probe")
@@ -97,8 +97,8 @@ def _probe_arg_problem(args: argparse.Namespace, min_requests: int) -> str | Non
         return f"--requests must be at least {min_requests} (the attack mix has that many kinds of request)"
     if args.concurrency < 1 or args.timeout <= 0 or args.max_duration <= 0:
         return "--concurrency, --timeout and --max-duration must be positive"
-    if args.flood < 0:
-        return "--flood must be 0 (no load-timing check) or more"
+    if args.flood < 0 or args.flood == 1:
+        return "--flood must be 0 (no load-timing check) or at least 2 (its light level is a quarter of it)"
     if args.context_length is not None and args.context_length < 64:
         return "--context-length below 64 leaves no room for the probe's prompts"
     if args.pool_tokens is not None and args.pool_tokens < 1:

@@ -33,10 +33,9 @@ NUM_LOAD_SAMPLES = 6  # B's probes per level of A's load (6 vs 6: the one-sided 
 LOAD_PROBE_TOKENS = 64  # B's load probes: short, so that their time to first token is mostly waiting
 FLOOD_MAX_TOKENS = 4  # A's flood is prompts: a short output keeps them queueing for the prefill
 MAX_FLOOD_TOKENS = 2048  # A's flood prompts: half the context, up to this
-FLOOD_ROUNDS = (
-    8  # A's flood sends up to this many requests per slot of its heavy level (a queue ahead of each
-)
-# of B's probes under fcfs is about one round: enough for every level)
+# A's flood sends up to this many requests per slot of its heavy level: under fcfs each of B's probes waits about
+# one round, so the heavy level needs NUM_LOAD_SAMPLES rounds, and the light level and the ramp up the rest
+FLOOD_ROUNDS = 8
 LIGHT_FRACTION = 4  # A's light level: `flood` / this in flight (at least 1)
 CANARY_TOKENS = 80  # three canary lines and the trigger, in the most verbose common tokenizers
 MAX_BAIT_TOKENS = 4096  # baits stay affordable on long-context targets; the boundary probes go to the limit

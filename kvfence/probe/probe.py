@@ -91,8 +91,7 @@ async def _load_phase(
             result = await send(client, config.target, job)
         finally:
             slots.release()
-        results.append(result)
-        tick()
+        results.append(result)  # (no tick: the progress bar counts the attack mix, not the flood)
         if index >= steady_after:
             steady.set()
 
@@ -115,6 +114,8 @@ async def _load_phase(
         await level(load.light)
         steady.clear()
         steady_after = sent
+        if feeder.done():  # the flood ran out at the light level: no request of the heavy one will come back
+            steady.set()
         for _ in range(load.in_flight - load.light_in_flight):
             slots.release()
         await level(load.busy)

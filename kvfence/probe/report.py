@@ -141,7 +141,7 @@ def _timing_line(t: TimingTest) -> str:
 
 
 def _load_line(t: LoadTest) -> str:
-    if t.p_value is None or t.median_light_s is None or t.median_busy_s is None:
+    if t.p_value is None or t.median_light_s is None or t.median_busy_s is None or t.ratio is None:
         return f"not tested: {t.skipped}"
     idle = f"{t.median_quiet_s * 1000:.0f} ms" if t.median_quiet_s is not None else "?"
     return (

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 log = logging.getLogger("kvfence.supervisor")
+CONFIG_EXIT = 2  # a worker's exit status for a configuration error (refused by its router, a bad flag)
 TICK_S = 0.2
 ROLES = ("prefill", "decode")
 
@@ -222,13 +223,12 @@ class Supervisor:
             self.slots.remove(slot)
             self._retire(slot.role, slot.name)
             return
-        if (
-            not slot.registered and status > 0
-        ):  # exited on its own before it ever registered: its preflight or
-            # its keys refused it (exit 1 or 2), and a restart would be refused the same way
+        if status == CONFIG_EXIT or (not slot.registered and status > 0):
+            # exited on its own before it ever registered (its preflight or its keys refused it: exit 1 or 2), or
+            # the router refused it (exit 2, also on a later registration): a restart would be refused the same way
             slot.state, slot.handle = "given_up", None
-            log.error("%s worker %s exited with status %s before registering (see its preflight or error above): "
-                      "a configuration error, not restarted", slot.role, slot.name, status)  # fmt: skip
+            log.error("%s worker %s exited with status %s (see its preflight or error above): a configuration "
+                      "error, not restarted", slot.role, slot.name, status)  # fmt: skip
             return
         while slot.exits and now - slot.exits[0] > self.policy.window:
             slot.exits.popleft()

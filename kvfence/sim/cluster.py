@@ -43,7 +43,6 @@ from kvfence.engine.request import SamplingParams
 from kvfence.faults import Faults
 from kvfence.ids import LeaseId, PageId, RequestId
 from kvfence.pd import control, wire
-from kvfence.pd.decode_role import DecodeRole
 from kvfence.pd.local import layout_fingerprint
 from kvfence.pd.messages import PageFrame, Ticket
 from kvfence.pd.router_core import NoWorkers
@@ -358,8 +357,8 @@ class Simulation:
     def _check_caps(self, after: str, worker: SimWorker) -> None:
         """Fairness: no tenant holds more pages on a worker than its max_pages (running requests, requests
         whose pages await a transfer, decode reservations)."""
-        role, fairness = worker.role, worker.engine.scheduler.fairness
-        held = role.held_pages() if isinstance(role, DecodeRole) else worker.engine.scheduler.held_pages()
+        fairness = worker.engine.scheduler.fairness
+        held = worker.engine.scheduler.held_pages()
         for tenant, pages in held.items():
             key = (worker.kind, tenant)
             self.peak_held[key] = max(self.peak_held.get(key, 0), pages)
