@@ -8,9 +8,10 @@ Pure parsing over text; `audit_files` only reads the files. A node is one KV poo
 - SGLang: the `KV Cache is allocated. #tokens: N, K size: .., V size: ..` lines of its tensor-parallel ranks (or
   the MLA form `#tokens: N, KV size: ..`), closed by the scheduler's `max_total_num_tokens=N, ...,
   context_len=C` line. A second startup in the same file is a second node.
-- vLLM: one `GPU KV cache size: N tokens` line (vLLM-CPU: `CPU KV cache size: N tokens`) per engine core (one per data-parallel rank), with its
-  `Maximum concurrency for L tokens per request: Xx` line; L is the max model length. Without that line the
-  context comes from `max_seq_len=` in the engine config line, or `'max_model_len': L` in the non-default args.
+- vLLM: one `GPU KV cache size: N tokens` line (vLLM-CPU: `CPU KV cache size: N tokens`) per engine core (one
+  per data-parallel rank), with its `Maximum concurrency for L tokens per request: Xx` (0.32: on the same line);
+  L is the max model length. Without it the context comes from `max_seq_len=` in the engine config line, or
+  `'max_model_len': L` in the non-default args.
 
 Numbers are only ever read, never inferred: a node missing its pool or its context is reported as partial, and
 a file with none of these lines as unknown. The one derived verdict is vLLM's own concurrency figure (X < 1 means
