@@ -155,6 +155,30 @@ def test_pages_held_outside_the_scheduler_count_for_shares_but_never_stall_the_g
     assert 0 < top <= 16  # never into the pages X is guaranteed
 
 
+@pytest.mark.parametrize("policy", ["vtc", "fcfs"])
+def test_a_tenant_below_its_share_starts_at_once_when_the_flooder_fills_the_pool(tiny_model, policy):
+    """A's running requests fill the pool, every one of them in every step: vtc preempts A's newest before the
+    step and starts B's request at once (else B would wait for one of A's to end); fcfs makes B wait (control)."""
+    engine = make_engine(
+        tiny_model, policy=policy, kv_pages=24, max_num_batched_tokens=64, prefill_batch_tokens=0
+    )
+    params = SamplingParams(max_tokens=48, ignore_eos=True)
+    for i in range(2):  # 40 + 48 tokens each: 22 pages at the end; together they outgrow the pool of 24
+        engine.add_request(list(range(3 + i, 43 + i)), params, f"a{i}", tenant="A")
+    gen = steps(engine)
+    while engine.pool.num_free > 2:  # A's two requests grow until the pool is nearly full
+        next(gen)
+    engine.add_request(list(range(3, 19)), SamplingParams(max_tokens=4, ignore_eos=True), "b0", tenant="B")
+    waited = 0
+    while not any(r.request_id == "b0" and r.num_computed_tokens > 0 for r in engine.scheduler.running):
+        next(gen)
+        waited += 1
+    if policy == "vtc":
+        assert waited == 1 and engine.scheduler.num_preemptions >= 1  # the next step, A preempted for it
+    else:
+        assert waited > 1  # behind A's requests
+
+
 def test_a_capped_tenant_never_holds_more_than_its_cap(tiny_model):
     shares = {"A": TenantShare(max_pages=20)}
     top = 0
@@ -400,10 +424,10 @@ def test_pd_serve_applies_the_keys_files_shares_and_refuses_a_pool_below_the_gua
         assert small.usage.completion_tokens >= 1
         # each worker's per-tenant numbers reach the router's /metrics with its heartbeats
         deadline = time.monotonic() + 30
-        while not _worker_counters(base, "a") or not _worker_counters(base, "b"):
-            assert time.monotonic() < deadline, "no per-tenant worker metrics"
+        roles = lambda tenant: {role for role, _ in _worker_counters(base, tenant)}  # noqa: E731
+        while roles("a") != {"prefill", "decode"} or roles("b") != {"prefill", "decode"}:
+            assert time.monotonic() < deadline, f"per-tenant worker metrics: a {roles('a')}, b {roles('b')}"
             time.sleep(0.2)  # poll interval: heartbeats come every second
-        assert {role for role, _ in _worker_counters(base, "a")} == {"prefill", "decode"}
     keys.write_text('[tenants.a]\nkeys = ["ka"]\nmin_pages = 40\n')  # more than the prefill pool's 32 pages
     cmd = [sys.executable, "-m", "kvfence", "serve", "--mode", "pd", "--model", str(tiny_dir), "--port",
            str(free_port()), "--api-keys", str(keys), "--threads", "2", "--dtype", "float32", *flags]  # fmt: skip

@@ -3,6 +3,8 @@
 Boundary: plain Python over `Request`s and the `PagePool`; never imports torch, never sees tensors.
 
 Each step (`schedule`):
+  0. (`vtc`) When the pool cannot hold the first chunk of the least served tenant's next waiting request and
+     that tenant is below its share, preempt for it (below) and start it before anything else.
   1. Running requests first, oldest first: a decode needs one token, an unfinished chunked prefill the next
      chunk. If the pool cannot cover them, preempt the request at the back of the running queue (release its
      pages, recompute later) until it can.
@@ -17,7 +19,8 @@ Each step (`schedule`):
 Fairness (`vtc`): a tenant may not lease pages beyond its `max_pages`, nor the pages other backlogged tenants are
 short of their `min_pages`; preemption takes the newest running request of the tenant furthest above its share,
 never one that would take a tenant below its guarantee (`fcfs`: the newest running request), also to start a
-waiting request of a tenant below its share when the pool is full (fcfs: new requests never preempt).
+waiting request of a tenant below its share when the pool is full (step 0, or later in the step among running
+requests not yet scheduled; fcfs: new requests never preempt).
 `postprocess` charges each tenant's counter for what the step computed, appends sampled tokens, and finishes
 requests on EOS, stop ids, max_tokens or context length.
 `finish` is the only way a request leaves: its pages go back to the pool (quarantine first, see kv/pool.py).
@@ -36,7 +39,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from kvfence.config import SchedulerOptions
-from kvfence.engine.fairness import Fairness
+from kvfence.engine.fairness import Fairness, PrefillGate
 from kvfence.engine.plan import Plan, PlanRow
 from kvfence.engine.request import Request, RequestState, SamplingParams
 from kvfence.ids import RequestId
@@ -110,7 +113,14 @@ class Scheduler:
         scheduled: list[Scheduled] = []
         preempted = False
         gate = self.fairness.prefill_gate(self.backlogged(), self.config.prefill_batch_tokens or budget)
-        queue = list(self.running)
+        first = self._start_below_share(budget, gate)
+        if first is not None:
+            scheduled.append(first)
+            budget -= first.num_new_tokens
+            preempted = True  # no more new requests this step: the preempted ones wait for the next
+            if gate is not None:
+                gate.take(first.request.tenant, first.num_new_tokens)
+        queue = [r for r in self.running if first is None or r is not first.request]
         if (
             gate is not None
         ):  # decodes first, in arrival order; then prefill chunks, least served tenant first
@@ -166,6 +176,34 @@ class Scheduler:
             if gate is not None:
                 gate.take(request.tenant, started)
         return scheduled
+
+    def _start_below_share(self, budget: int, gate: PrefillGate | None) -> Scheduled | None:
+        """vtc, before the running requests: when the pool cannot hold the first chunk of the next waiting request
+        (the least served tenant's) and its tenant is below its share, preempt the tenant furthest above its
+        share (`_make_room`) and start it now. Later in the step every running request is already scheduled, so
+        none could be preempted for it, and its tenant would wait for the flooder's requests to end; started
+        first, the pages made for it are its own. None: nothing to do here (the usual order applies)."""
+        if not self.fairness.enabled or not self.waiting or len(self.running) >= self.config.max_num_seqs:
+            return None
+        request = self._next_waiting(set())
+        if request is None:
+            return None
+        num_new = min(request.num_tokens, budget, budget if gate is None else gate.allowance(request.tenant))
+        need = self.pool.pages_for(num_new) if num_new > 0 else 0
+        cap = self.fairness.cap(request.tenant)
+        if need == 0 or self.pool.can_allocate(need):
+            return None
+        if cap is not None and self.held_pages().get(request.tenant, 0) + need > cap:
+            return None
+        if not self._make_room(request, num_new, []):
+            return None
+        started = self._start(request, num_new)
+        if started is None:
+            return None
+        self.waiting.remove(request)
+        request.transition(RequestState.RUNNING)
+        self.running.append(request)
+        return Scheduled(request, started)
 
     def _next_waiting(self, capped: set[str]) -> Request | None:
         """The waiting request to start next: the oldest (fcfs), or the oldest of the tenant with the smallest
