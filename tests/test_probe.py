@@ -160,7 +160,7 @@ def test_the_load_check_takes_its_part_of_the_budget_and_floods_with_long_secret
     load = plan.load
     assert (load.light_in_flight, load.in_flight) == (4, 16) and len(
         load.flood
-    ) == 128  # 8 rounds of 16, on top
+    ) == 192  # 12 rounds of 16, on top
     for probes, kind in (
         (load.quiet, Kind.LOAD_QUIET),
         (load.light, Kind.LOAD_LIGHT),
@@ -176,7 +176,7 @@ def test_the_load_check_takes_its_part_of_the_budget_and_floods_with_long_secret
         load.flood
     )  # distinct: A's own prefix cache cannot help it
     # --flood 0 (or 1: no light level below it), or too small a budget: no check, the whole budget for the rest
-    for flood, budget in ((0, 200), (1, 200), (16, 57)):
+    for flood, budget in ((0, 200), (1, 200), (16, 63)):
         plain = build_plan(random.Random(0), budget, Limits(8192), EXACT, concurrency=8, flood=flood)
         assert plain.load is None and plain.num_requests == budget
 
@@ -409,9 +409,9 @@ def test_the_load_check_finishes_when_the_flood_runs_out_before_the_heavy_level(
     level, and the heavy level must not wait for a flood request that will never be sent (the run ends complete,
     every probe answered)."""
     with fake(b_latency_s=0.05) as url:
-        status, report = probe(url, tmp_path, "--flood", "2", "--max-duration", "60", requests=60)
+        status, report = probe(url, tmp_path, "--flood", "2", "--max-duration", "60", requests=64)
     load = report["load_timing"]
-    assert report["complete"] and (load["num_light"], load["num_busy"]) == (6, 6), (report["notes"], load)
+    assert report["complete"] and (load["num_light"], load["num_busy"]) == (8, 8), (report["notes"], load)
     assert status == 0 and not load["significant"]
 
 
@@ -485,9 +485,9 @@ def test_the_load_timing_check_finds_a_queue_behind_the_other_tenant_under_fcfs_
     )
     flags = [*pages, "--page-size", "4", "--max-num-batched-tokens", "64", "--scheduling-policy", policy]
     with pd_serve(tiny_dir, keys, *flags, mode=mode) as url:
-        status, report = probe(url, tmp_path, "--flood", "16", model=tiny_dir.name, requests=60)
+        status, report = probe(url, tmp_path, "--flood", "16", model=tiny_dir.name, requests=64)
     load = report["load_timing"]
-    assert (load["num_light"], load["num_busy"], load["in_flight"]) == (6, 6, 16), load
+    assert (load["num_light"], load["num_busy"], load["in_flight"]) == (8, 8, 16), load
     if policy == "fcfs":
         assert status == 1 and kinds(report) == {"load_timing"}, (report["findings"], load)
     else:

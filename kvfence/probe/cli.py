@@ -38,7 +38,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-
         type=int,
         default=16,
         help="tenant A's long requests in flight at the load-timing check's heavy level (0: no check); the check "
-        "runs when --requests leaves room for its 18 probes, and sends up to 8x this many of A's requests on top",
+        "runs when --requests leaves room for its 24 probes, and sends up to 12x this many of A's requests on top",
     )
     p.add_argument("--timeout", type=float, default=120.0, help="seconds per request")
     p.add_argument("--max-duration", type=float, default=900.0, help="seconds for the whole probe")

@@ -29,13 +29,13 @@ BAIT_MAX_TOKENS = 16
 ABORT_MAX_TOKENS = 64
 ABORT_AFTER_CHUNKS = 3
 TIMING_MAX_TOKENS = 8  # only the first token is timed; the rest is room to print a leaked secret
-NUM_LOAD_SAMPLES = 6  # B's probes per level of A's load (6 vs 6: the one-sided p can reach 1/924)
+NUM_LOAD_SAMPLES = 8  # B's probes per level of A's load (8 vs 8: p < 0.01 survives 13 of 64 pairs inverted)
 LOAD_PROBE_TOKENS = 64  # B's load probes: short, so that their time to first token is mostly waiting
 FLOOD_MAX_TOKENS = 4  # A's flood is prompts: a short output keeps them queueing for the prefill
 MAX_FLOOD_TOKENS = 2048  # A's flood prompts: half the context, up to this
 # A's flood sends up to this many requests per slot of its heavy level: under fcfs each of B's probes waits about
-# one round, so the heavy level needs NUM_LOAD_SAMPLES rounds, and the light level and the ramp up the rest
-FLOOD_ROUNDS = 8
+# one round, so the heavy level needs NUM_LOAD_SAMPLES rounds, its ramp one, and the light level the rest
+FLOOD_ROUNDS = NUM_LOAD_SAMPLES + 4
 LIGHT_FRACTION = 4  # A's light level: `flood` / this in flight (at least 1)
 CANARY_TOKENS = 80  # three canary lines and the trigger, in the most verbose common tokenizers
 MAX_BAIT_TOKENS = 4096  # baits stay affordable on long-context targets; the boundary probes go to the limit
