@@ -43,7 +43,9 @@ def capture(interface: str, pcap: Path) -> Iterator[None]:
         if os.environ.get("KVFENCE_REQUIRE_TCPDUMP") == "1":
             pytest.fail("tcpdump is missing (make test installs it)")
         pytest.skip("tcpdump is missing (make test installs it)")
-    cmd = ["tcpdump", "-i", interface, "-s", "0", "-U", "-w", str(pcap), "tcp"]
+    # immediate mode: without it libpcap hands packets over in ring blocks, and SIGINT can end tcpdump with a
+    # block "received by filter" but never written (0 packets captured; seen on this machine)
+    cmd = ["tcpdump", "-i", interface, "-s", "0", "-U", "--immediate-mode", "-w", str(pcap), "tcp"]
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
     assert proc.stderr is not None
     line = proc.stderr.readline()  # "listening on ...": capturing from here on
