@@ -88,6 +88,10 @@ class SimConfig:
         for key, value in overrides.items():
             assert key in names, key
             setattr(config, key, value)
+        small = min(config.prefill_pages, config.decode_pages)
+        guaranteed = sum(share.get("min_pages", 0) for share in config.shares.values())
+        if "shares" not in overrides and (config.policy != "vtc" or guaranteed > small):
+            config.shares = {}  # the drawn shares do not fit the overrides: the router would refuse every worker
         return config
 
     def tenant_shares(self) -> dict[str, TenantShare]:
