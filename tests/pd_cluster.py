@@ -132,6 +132,13 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def undersized_prefill(decode_pages: int) -> list[str]:
+    """`serve --mode pd` flags: a prefill pool of 32 pages of 4 tokens, half the tiny model's context (the 2026
+    incident's configuration, allowed with --allow-undersized-pool), and `decode_pages` for decode."""
+    return ["--page-size", "4", "--prefill-kv-pages", "32", "--decode-kv-pages", str(decode_pages),
+            "--allow-undersized-pool"]  # fmt: skip
+
+
 @contextlib.contextmanager
 def pd_serve(
     model_dir: Path, keys_file: Path, *flags: str, env: dict[str, str] | None = None, mode: str = "pd"

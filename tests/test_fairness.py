@@ -396,21 +396,13 @@ def test_pd_serve_applies_the_keys_files_shares_and_refuses_a_pool_below_the_gua
 
     from openai import BadRequestError, OpenAI
 
-    from tests.pd_cluster import free_port, pd_serve
+    from tests.pd_cluster import free_port, pd_serve, undersized_prefill
 
     keys = tmp_path / "keys.toml"
     keys.write_text(
         '[tenants.a]\nkeys = ["ka"]\nweight = 2\nmax_pages = 16\n[tenants.b]\nkeys = ["kb"]\nmin_pages = 4\n'
     )
-    flags = [
-        "--page-size",
-        "4",
-        "--prefill-kv-pages",
-        "32",
-        "--decode-kv-pages",
-        "96",
-        "--allow-undersized-pool",
-    ]
+    flags = undersized_prefill(96)
     prompt = list(range(3, 80))  # 77 tokens + 8: 22 pages, above a's cap of 16
     with pd_serve(tiny_dir, keys, *flags) as base:
         a, b = (OpenAI(base_url=f"{base}/v1", api_key=k, max_retries=0, timeout=120) for k in ("ka", "kb"))

@@ -22,7 +22,7 @@ from openai import BadRequestError, OpenAI
 
 from kvfence.engine.request import SamplingParams
 from tests.conftest import make_engine, run_all
-from tests.pd_cluster import pd_serve
+from tests.pd_cluster import pd_serve, undersized_prefill
 from tests.server_harness import SCRAPE_KEY
 
 KEYS = {"key-a": "tenant-a", "key-b": "tenant-b"}
@@ -32,15 +32,7 @@ KEYS = {"key-a": "tenant-a", "key-b": "tenant-b"}
 def pd_server(tiny_dir, tmp_path_factory):
     keys = tmp_path_factory.mktemp("keys") / "keys.json"
     keys.write_text(json.dumps(KEYS))
-    flags = [
-        "--page-size",
-        "4",
-        "--prefill-kv-pages",
-        "32",
-        "--decode-kv-pages",
-        "96",
-        "--allow-undersized-pool",
-    ]
+    flags = undersized_prefill(96)
     with pd_serve(tiny_dir, keys, *flags) as base:
         yield OpenAI(base_url=f"{base}/v1", api_key="key-a", max_retries=0, timeout=120)
 

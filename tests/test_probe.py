@@ -49,7 +49,7 @@ from kvfence.probe.plan import (
 from kvfence.probe.prompts import TRIGGER, TokenModel, TokenRange, a_prompt, b_prompt, fit, shuffled
 from kvfence.probe.stats import mann_whitney_less
 from kvfence.server.background import serve_in_thread
-from tests.pd_cluster import free_port, pd_serve
+from tests.pd_cluster import free_port, pd_serve, undersized_prefill
 
 KEYS = {"key-a": "team-a", "key-b": "team-b"}
 EXACT = TokenModel("usage", base=6.0, per_word=1.0, exact=True)
@@ -497,15 +497,7 @@ def test_the_load_timing_check_finds_a_queue_behind_the_other_tenant_under_fcfs_
 def test_kvfence_pd_with_an_undersized_prefill_pool_is_clean(tiny_dir, tmp_path):
     """The 2026 incident's configuration (a prefill pool smaller than the context), allowed only with
     --allow-undersized-pool: kvfence refuses what the pool cannot hold, and nothing else goes wrong."""
-    flags = [
-        "--page-size",
-        "4",
-        "--prefill-kv-pages",
-        "32",
-        "--decode-kv-pages",
-        "160",
-        "--allow-undersized-pool",
-    ]
+    flags = undersized_prefill(160)
     keys = tiny_dir.parent / "keys.json"
     keys.write_text(json.dumps(KEYS))
     with pd_serve(tiny_dir, keys, *flags) as url:

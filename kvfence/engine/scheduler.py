@@ -189,10 +189,10 @@ class Scheduler:
         if request is None:
             return None
         num_new = min(request.num_tokens, budget, budget if gate is None else gate.allowance(request.tenant))
-        need = self.pool.pages_for(num_new) if num_new > 0 else 0
-        cap = self.fairness.cap(request.tenant)
+        need = self.pool.pages_for(num_new)
         if need == 0 or self.pool.can_allocate(need):
-            return None
+            return None  # nothing it may run, or room for it already: the usual order
+        cap = self.fairness.cap(request.tenant)
         if cap is not None and self.held_pages().get(request.tenant, 0) + need > cap:
             return None
         if not self._make_room(request, num_new, []):

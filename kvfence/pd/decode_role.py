@@ -81,23 +81,18 @@ class DecodeRole(Role):
     def on_expect(self, msg: control.Expect) -> None:
         if self.admit(msg) is None:
             return
-        backlogged = self.backlogged()
-        if msg.tenant not in backlogged:
-            self.engine.scheduler.fairness.activate(msg.tenant, backlogged)
+        holders = self.engine.scheduler.holders()  # queued, reserved, or in the engine
+        if msg.tenant not in holders:
+            self.engine.scheduler.fairness.activate(msg.tenant, holders)
         self.queued[msg.request_id] = (msg, self.clock())
         self._reserve_queued()
 
-    def backlogged(self) -> set[str]:
-        """Tenants with work here: queued, reserved, or in the engine."""
-        return self.engine.scheduler.holders()
-
     def tenant_snapshots(self) -> dict[str, TenantSnapshot]:
-        """The engine's, with requests queued here for pages counted as waiting (reservations are in pages)."""
+        """The engine's (a queued tenant is a holder: `_reserved`), with requests queued here for pages counted as
+        waiting (reservations are in pages)."""
         tenants = self.engine.tenant_snapshots()
         for msg, _ in self.queued.values():
-            counter = self.engine.scheduler.fairness.counters.get(msg.tenant, 0.0)
-            t = tenants.get(msg.tenant) or TenantSnapshot(0, 0, 0, counter)
-            tenants[msg.tenant] = replace(t, waiting=t.waiting + 1)
+            tenants[msg.tenant] = replace(tenants[msg.tenant], waiting=tenants[msg.tenant].waiting + 1)
         return tenants
 
     def _reserved(self) -> dict[str, int]:
@@ -132,7 +127,11 @@ class DecodeRole(Role):
             if not pool.can_allocate(num_pages + len(self.engine.scheduler.running)):
                 return
             if fairness.enabled and not fairness.may_take(
-                msg.tenant, num_pages, pool.num_free, self.engine.scheduler.held_pages(), self.backlogged()
+                msg.tenant,
+                num_pages,
+                pool.num_free,
+                self.engine.scheduler.held_pages(),
+                self.engine.scheduler.holders(),
             ):
                 skip.add(msg.tenant)
                 continue

@@ -245,7 +245,7 @@ class RouterCore:
         """I5 against every stage, and the tenant's page cap, before anything is sent; raises AdmissionError or
         NoWorkers."""
         prefill_limits, decode_limits = self.limits()
-        cap = self.tenants[tenant].max_pages if tenant in self.tenants else None
+        cap = self.tenants.get(tenant, DEFAULT_SHARE).max_pages
         admit(num_prompt_tokens, params, prefill_limits, prefill_only=True, max_pages=cap)
         admit(num_prompt_tokens, params, decode_limits, max_pages=cap)
 
