@@ -102,7 +102,9 @@ def write_hf(out: Path, name: str, shape: Shape, w: dict[str, torch.Tensor], tok
     import transformers
 
     out.mkdir(parents=True, exist_ok=True)
-    tokenizer = transformers.AutoTokenizer.from_pretrained(str(tokenizer_gguf.parent), gguf_file=tokenizer_gguf.name)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(
+        str(tokenizer_gguf.parent), gguf_file=tokenizer_gguf.name
+    )
     tokenizer.save_pretrained(out)
     config = {
         "architectures": [shape.architecture],
@@ -127,7 +129,9 @@ def write_hf(out: Path, name: str, shape: Shape, w: dict[str, torch.Tensor], tok
     if shape.gguf_arch == "llama":
         config |= {"attention_bias": False, "mlp_bias": False}
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    save_file({k: v.contiguous() for k, v in w.items()}, str(out / "model.safetensors"), metadata={"format": "pt"})
+    save_file(
+        {k: v.contiguous() for k, v in w.items()}, str(out / "model.safetensors"), metadata={"format": "pt"}
+    )
 
 
 # -- GGUF ---------------------------------------------------------------------------------------------------
@@ -186,13 +190,17 @@ def copy_tokenizer(writer: gguf.GGUFWriter, source: Path) -> int:
     return vocab
 
 
-def write_gguf(path: Path, name: str, shape: Shape, w: dict[str, torch.Tensor], qtype: str, tokenizer_gguf: Path) -> None:
+def write_gguf(
+    path: Path, name: str, shape: Shape, w: dict[str, torch.Tensor], qtype: str, tokenizer_gguf: Path
+) -> None:
     t = gguf.GGMLQuantizationType[qtype]
     tmp = path.with_suffix(".tmp")
     writer = gguf.GGUFWriter(str(tmp), shape.gguf_arch)
     head_dim = shape.hidden // shape.heads
     writer.add_name(f"kvfence-synthetic-{name}")
-    writer.add_file_type({"Q8_0": gguf.LlamaFileType.MOSTLY_Q8_0, "Q4_1": gguf.LlamaFileType.MOSTLY_Q4_1}[qtype])
+    writer.add_file_type(
+        {"Q8_0": gguf.LlamaFileType.MOSTLY_Q8_0, "Q4_1": gguf.LlamaFileType.MOSTLY_Q4_1}[qtype]
+    )
     writer.add_context_length(shape.context)
     writer.add_embedding_length(shape.hidden)
     writer.add_feed_forward_length(shape.intermediate)
@@ -230,7 +238,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("shape", choices=sorted(SHAPES))
     ap.add_argument("out", type=Path)
     ap.add_argument("--tokenizer", type=Path, default=Path(DEFAULT_MODEL_PATH), help="GGUF to take it from")
-    ap.add_argument("--gguf", nargs="*", choices=GGUF_TYPES, default=list(GGUF_TYPES), help="GGUF types to write")
+    ap.add_argument(
+        "--gguf", nargs="*", choices=GGUF_TYPES, default=list(GGUF_TYPES), help="GGUF types to write"
+    )
     args = ap.parse_args(argv)
     shape = SHAPES[args.shape]
     vocab = len(gguf.GGUFReader(str(args.tokenizer)).fields["tokenizer.ggml.tokens"].data)

@@ -3,6 +3,7 @@
     python bench/peers.py export-hf OUT_DIR [--model GGUF]      # GGUF -> Hugging Face folder (for vLLM)
     python bench/peers.py transformers --hf-dir DIR --workload W1 --json OUT   # offline HF generate
     python bench/peers.py table RESULTS_DIR                     # one markdown table from bench/serve.py JSONs
+    python bench/peers.py scale-table RESULTS_DIR/scale/SIZE    # the same for bench/peers.sh scale (W3-W6)
 
 export-hf dequantizes the GGUF with kvfence's own loader (the weights every peer but llama.cpp then serves) and
 writes float32 safetensors, a transformers config and the tokenizer (transformers reads it from the GGUF).
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 import sys
 import time
@@ -149,6 +151,46 @@ def table(results: Path) -> str:
     return "\n".join(lines)
 
 
+SCALE_FILE = re.compile(r"^(?P<label>.+)\.(?P<w>W[3-6])(?:\.r(?P<rate>[0-9.]+))?\.json$")
+
+
+def scale_table(results: Path) -> str:
+    """bench/peers.sh scale's results for one model: a row per server; W3-W5 output tok/s and TTFT p50 (ms),
+    W5 and W6 inter-token p99, W6 goodput at each rate (requests/s meeting the SLO / offered), RSS."""
+    runs: dict[str, dict[str, dict[str, Any]]] = {}
+    for path in sorted(results.glob("*.json")):
+        m = SCALE_FILE.match(path.name)
+        if m:
+            key = m["w"] + (f"@{m['rate']}" if m["rate"] else "")
+            runs.setdefault(m["label"], {})[key] = json.loads(path.read_text())
+    rates = sorted({k.split("@")[1] for r in runs.values() for k in r if "@" in k}, key=float)
+
+    def closed(d: dict[str, Any] | None) -> str:
+        if d is None:
+            return " | "
+        failed = f" ({d['num_failed']} failed)" if d["num_failed"] else ""
+        return f"{d['output_tok_s']}{failed} | {d['ttft_ms']['p50']}"
+
+    def good(d: dict[str, Any] | None) -> str:
+        if d is None:
+            return ""
+        return f"{d['goodput_req_s']} ({d['num_good']}/{d['workload']['num_requests']}; ITL p99 {d['itl_ms']['p99']})"
+
+    head = ["server", "W3 tok/s", "W3 TTFT p50", "W4 tok/s", "W4 TTFT p50", "W5 tok/s", "W5 TTFT p50",
+            "W5 ITL p99"] + [f"W6 goodput @{r}/s" for r in rates] + ["RSS MiB"]  # fmt: skip
+    lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+    for label, r in runs.items():
+        rss = results / f"{label}.rss"
+        w5 = r.get("W5")
+        lines.append(
+            f"| {label} | {closed(r.get('W3'))} | {closed(r.get('W4'))} | {closed(w5)} | "
+            f"{w5['itl_ms']['p99'] if w5 else ''} | "
+            + " | ".join(good(r.get(f"W6@{rate}")) for rate in rates)
+            + f"{' | ' if rates else ''}{rss.read_text().strip() if rss.exists() else ''} |"
+        )
+    return "\n".join(lines)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -163,6 +205,8 @@ def main() -> int:
     t.add_argument("--json", dest="json_path", required=True)
     tb = sub.add_parser("table")
     tb.add_argument("results", type=Path)
+    st = sub.add_parser("scale-table")
+    st.add_argument("results", type=Path)
     args = ap.parse_args()
     if args.cmd == "export-hf":
         export_hf(args.out, args.model)
@@ -171,6 +215,8 @@ def main() -> int:
         summary = transformers_baseline(args.hf_dir, w, args.tokenizer, args.threads)
         Path(args.json_path).write_text(json.dumps(summary, indent=2))
         print(json.dumps(summary))
+    elif args.cmd == "scale-table":
+        print(scale_table(args.results))
     else:
         print(table(args.results))
     return 0

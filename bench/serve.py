@@ -13,6 +13,10 @@ a Poisson process (--rate requests/s, optionally capped by --concurrency).
 
 Workloads (the serving issue's): W1 = 32 prompts of ~196 tokens (±10%), 64 new tokens, 8 in flight;
 W2 = 8 prompts of exactly 200 tokens, 64 new tokens, one at a time (batch-1 TTFT and decode ms/token).
+At scale (issue 26): W3 = 64 prompts of ~200 tokens, 128 new tokens, 32 in flight; W4 = the same, 128 prompts,
+64 in flight; W5 = 16 prompts of 2,000 tokens, 64 new tokens, all in flight; W6 = 24 prompts of 50-950 tokens,
+128 new tokens, open loop at --rate (required). Goodput: requests per second that met the service level (their
+own TTFT <= 2 s and their own inter-token p99 <= 150 ms, --slo-ttft-ms / --slo-itl-ms), over the whole run.
 
 --structured json_schema asks every request for JSON under a built-in schema (`response_format` json_schema,
 OpenAI's shape, which vLLM takes on completions too) that cannot close within --output-len tokens, so each request
@@ -47,7 +51,14 @@ from kvfence.model.tokenizer import Tokenizer
 WORKLOADS: dict[str, dict[str, Any]] = {
     "W1": dict(num_requests=32, prompt_len=196, prompt_len_spread=0.1, output_len=64, concurrency=8),
     "W2": dict(num_requests=8, prompt_len=200, prompt_len_spread=0.0, output_len=64, concurrency=1),
+    # at scale (issue 26): two waves of 32 and of 64 in flight, long prompts, and an open loop (give --rate)
+    "W3": dict(num_requests=64, prompt_len=200, prompt_len_spread=0.1, output_len=128, concurrency=32),
+    "W4": dict(num_requests=128, prompt_len=200, prompt_len_spread=0.1, output_len=128, concurrency=64),
+    "W5": dict(num_requests=16, prompt_len=2000, prompt_len_spread=0.0, output_len=64, concurrency=16),
+    "W6": dict(num_requests=24, prompt_len=500, prompt_len_spread=0.9, output_len=128, concurrency=None),
 }
+# W6's service level (DistServe's goodput): a request counts when its own TTFT and its own inter-token p99 meet these
+SLO_TTFT_MS, SLO_ITL_MS = 2000.0, 150.0
 WORD = re.compile(r"^ [a-z]{3,9}$")
 # --structured json_schema: nested objects, bounded integers and strings, and far more items than --output-len
 # tokens can write, so the grammar never completes and every request runs to its length
@@ -313,6 +324,10 @@ def summarize(
     in_tokens = sum(r.server_prompt_tokens or r.prompt_tokens for r in ok)
     ttft = [r.ttft for r in ok if r.ttft is not None]
     itl = [x for r in ok for x in r.itl]
+    slo_ttft, slo_itl = args.slo_ttft_ms / 1000.0, args.slo_itl_ms / 1000.0
+    good = [
+        r for r in ok if r.ttft is not None and r.ttft <= slo_ttft and (percentile(r.itl, 99) or 0) <= slo_itl
+    ]
     tpot = [(r.latency - r.ttft) / (r.output_tokens - 1) for r in ok if r.ttft and r.output_tokens > 1]
     ms = 1000.0
 
@@ -339,6 +354,10 @@ def summarize(
         "ttft_ms_each": [round(x * 1e3, 1) for x in ttft],  # in completion order
         "itl_ms": {"p50": p(itl, 50), "p99": p(itl, 99)},
         "tpot_ms": {"p50": p(tpot, 50), "mean": round(statistics.fmean(tpot) * ms, 2) if tpot else None},
+        "slo": {"ttft_ms": args.slo_ttft_ms, "itl_p99_ms": args.slo_itl_ms},
+        "num_good": len(good),
+        "goodput_req_s": round(len(good) / elapsed, 3),
+        "request_rate": round(len(results) / elapsed, 3),
     }
 
 
@@ -354,6 +373,10 @@ def print_summary(s: dict[str, Any]) -> None:
     t, i, d = s["ttft_ms"], s["itl_ms"], s["tpot_ms"]
     print(f"  TTFT ms p50 {t['p50']}  p90 {t['p90']}  p99 {t['p99']}")
     print(f"  ITL ms p50 {i['p50']}  p99 {i['p99']}   TPOT ms p50 {d['p50']}")
+    print(
+        f"  goodput {s['goodput_req_s']} req/s ({s['num_good']} of {s['num_ok']} within TTFT "
+        f"{s['slo']['ttft_ms']:.0f} ms, inter-token p99 {s['slo']['itl_p99_ms']:.0f} ms) at {s['request_rate']} req/s"
+    )
 
 
 def parse_args(argv: Sequence[str] | None = None) -> tuple[argparse.Namespace, Workload]:
@@ -373,6 +396,12 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[argparse.Namespace, W
     ap.add_argument("--timeout", type=float, default=600.0)
     ap.add_argument("--structured", choices=sorted(STRUCTURED), default="none",
                     help="json_schema: every request under a JSON schema's token mask (see above)")  # fmt: skip
+    ap.add_argument(
+        "--slo-ttft-ms", type=float, default=SLO_TTFT_MS, help="goodput: a request's TTFT at most"
+    )
+    ap.add_argument(
+        "--slo-itl-ms", type=float, default=SLO_ITL_MS, help="goodput: its inter-token p99 at most"
+    )
     ap.add_argument("--label", default="")
     ap.add_argument("--json", dest="json_path", default=None, help="write the summary here ('-': stdout)")
     ap.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -383,6 +412,8 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[argparse.Namespace, W
             preset[key] = getattr(args, key)
     if args.rate is not None and args.concurrency is None:
         preset["concurrency"] = None
+    if preset["concurrency"] is None and args.rate is None:
+        ap.error(f"--workload {args.workload} is an open loop: give --rate (requests per second)")
     return args, Workload(**preset, rate=args.rate, seed=args.seed)
 
 

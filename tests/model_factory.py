@@ -237,11 +237,15 @@ def write_tiny_gguf(
     drop_tensors: Iterable[str] = (),
     qtype_overrides: dict[str, str] | None = None,
     tokenizer_model: str = "gpt2",
+    rope_freqs: Iterable[float] | None = None,
+    rope_scaling: tuple[str, float] | None = None,
     **kw: Any,
 ) -> Path:
     """A GGUF file of the tiny model as llama.cpp would convert it. `qtype` applies to 2-D tensors;
     `qtype_overrides` maps GGUF tensor names to other types (one gguf cannot quantize gets random bytes);
-    `drop_tensors` omits GGUF tensors by name, to build broken files."""
+    `drop_tensors` omits GGUF tensors by name, to build broken files. RoPE scaling as llama.cpp's converter writes
+    it: `rope_freqs` (Llama 3's per-frequency divisors) as the tensor `rope_freqs.weight`, `rope_scaling` (type,
+    factor) as `{arch}.rope.scaling.type` / `.factor`."""
     spec = make_spec(**kw)
     path = Path(path)
     weights = tiny_weights(**kw)
@@ -249,6 +253,11 @@ def write_tiny_gguf(
     writer = gguf.GGUFWriter(str(path), spec.arch)
     _write_hparams(writer, spec, vocab_size)
     _write_tokenizer(writer, vocab_size, tokenizer_model)
+    if rope_scaling is not None:
+        writer.add_string(f"{spec.arch}.rope.scaling.type", rope_scaling[0])
+        writer.add_float32(f"{spec.arch}.rope.scaling.factor", rope_scaling[1])
+    if rope_freqs is not None:
+        writer.add_tensor("rope_freqs.weight", np.asarray(list(rope_freqs), dtype=np.float32))
     dropped, overrides = set(drop_tensors), qtype_overrides or {}
     rng = np.random.default_rng(spec.seed)
     for hf_name, w in weights.items():

@@ -208,3 +208,23 @@ def test_building_a_model_runs_no_random_init(tmp_path):
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "", f"building the model imported {out.stdout.strip()}"
+
+
+@pytest.mark.parametrize("chunks", [[200], [40, 160], [150, 50], [120, 1, 79]])
+def test_bfloat16_prefill_attention_routes_agree(tmp_path, monkeypatch, chunks):
+    """bfloat16 prefill chunks take the C++ kernel below `SDPA_MIN_SCORES` query x key scores and torch's
+    scaled_dot_product_attention above (first chunks and later ones with a mask): both routes track float32
+    as closely as the kernel alone does, whichever a chunk of these splits takes."""
+    import kvfence.model.llama as llama
+
+    loaded = load_model(write_tiny_hf_dir(tmp_path / "m", arch="llama", seed=3))
+    ids = torch.randint(
+        0, loaded.config.vocab_size, (200,), generator=torch.Generator().manual_seed(1)
+    ).tolist()
+    f32 = run_paged(loaded, ids, chunks=[200])
+    routed = run_paged(loaded, ids, chunks=chunks, dtype=torch.bfloat16)
+    monkeypatch.setattr(llama, "SDPA_MIN_SCORES", 10**12)  # every chunk through the kernel
+    kernel = run_paged(loaded, ids, chunks=chunks, dtype=torch.bfloat16)
+    err_routed, err_kernel = (routed - f32).abs().max().item(), (kernel - f32).abs().max().item()
+    assert err_routed <= 2 * err_kernel + 1e-3, (err_routed, err_kernel)
+    assert (routed.argmax(-1) == f32.argmax(-1)).float().mean() >= 0.95

@@ -20,7 +20,9 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def _module():  # type: ignore[no-untyped-def]
-    spec = importlib.util.spec_from_file_location("kvfence_make_synthetic", ROOT / "bench" / "make_synthetic.py")
+    spec = importlib.util.spec_from_file_location(
+        "kvfence_make_synthetic", ROOT / "bench" / "make_synthetic.py"
+    )
     assert spec and spec.loader
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up

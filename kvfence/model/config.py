@@ -6,7 +6,10 @@ layout; the forward pass in `llama.py` consumes exactly that and knows nothing a
 
 from __future__ import annotations
 
+import math
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "mistral")
 
@@ -29,6 +32,9 @@ class ModelConfig:
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
     name: str = "model"
+    # RoPE scaling: each of the head_dim/2 rotation frequencies is divided by its factor (`rope_scaling_factors`);
+    # None: none
+    rope_freq_factors: tuple[float, ...] | None = None
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         """K and V for one token across all layers."""
@@ -65,3 +71,49 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
                 p + "self_attn.v_proj.bias": (kv,),
             }
     return shapes
+
+
+class RopeScalingError(ValueError):
+    """A RoPE scaling that kvfence does not implement (refused: ignoring it would change every long context)."""
+
+
+def rope_scaling_factors(
+    params: Mapping[str, Any] | None, head_dim: int, theta: float
+) -> tuple[float, ...] | None:
+    """The per-frequency divisors of a Hugging Face `rope_scaling` (or transformers 5's `rope_parameters`):
+    "linear" divides every frequency by `factor` (positions / factor); "llama3" (Llama 3.1+) divides the low
+    frequencies (wavelength above original_max_position_embeddings / low_freq_factor) by `factor`, keeps the high
+    ones (below original / high_freq_factor), and interpolates in between, as transformers'
+    `_compute_llama3_parameters` does. None or "default": None. Anything else: RopeScalingError."""
+    if not params:
+        return None
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind in (None, "default"):
+        return None
+    try:
+        factor = float(params["factor"])
+        if kind == "linear":
+            return tuple(factor for _ in range(head_dim // 2))
+        if kind == "llama3":
+            low, high = float(params["low_freq_factor"]), float(params["high_freq_factor"])
+            original = float(params["original_max_position_embeddings"])
+        else:
+            raise RopeScalingError(f"RoPE scaling {kind!r} is not supported (supported: linear, llama3)")
+    except (KeyError, TypeError, ValueError) as e:
+        if isinstance(e, RopeScalingError):
+            raise
+        raise RopeScalingError(f"RoPE scaling {kind!r}: missing or bad parameter ({e})") from e
+    if not (factor > 0 and high > low > 0 and original > 0):
+        raise RopeScalingError(f"RoPE scaling llama3: bad parameters {dict(params)}")
+    low_wavelen, high_wavelen = original / low, original / high
+    factors = []
+    for i in range(0, head_dim, 2):
+        wavelen = 2 * math.pi * theta ** (i / head_dim)
+        if wavelen < high_wavelen:
+            factors.append(1.0)
+        elif wavelen > low_wavelen:
+            factors.append(factor)
+        else:  # new frequency = (1 - smooth) * f / factor + smooth * f
+            smooth = (original / wavelen - low) / (high - low)
+            factors.append(1.0 / ((1 - smooth) / factor + smooth))
+    return tuple(factors)

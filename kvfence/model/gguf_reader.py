@@ -10,7 +10,6 @@ those blocks (`QuantBlocks`, kvfence/model/quant.py) when asked. Every way the f
 from __future__ import annotations
 
 import functools
-import logging
 from pathlib import Path
 from typing import Any
 
@@ -21,8 +20,6 @@ import torch
 from kvfence.model.config import SUPPORTED_ARCHITECTURES, ModelConfig, expected_shapes
 from kvfence.model.quant import BLOCK_BYTES, QuantBlocks
 from kvfence.model.tokenizer import ModelLoadError, Tokenizer
-
-logger = logging.getLogger("kvfence.model.loader")  # its warnings are the loader's
 
 # GGUF per-layer tensor suffix -> Hugging Face per-layer suffix.
 _GGUF_LAYER = {
@@ -73,8 +70,7 @@ def load_gguf(
     if "blk.0.attn_output.bias" in tensors:
         raise ModelLoadError(f"{path}: attention output bias (blk.*.attn_output.bias) is not supported")
 
-    if "rope_freqs.weight" in tensors or meta.get(f"{arch}.rope.scaling.type", "none") != "none":
-        logger.warning("%s: RoPE scaling is not supported and is ignored; long contexts may degrade", path)
+    rope_freq_factors = _rope_factors(path, arch, meta, tensors)
 
     tok_fields = meta.tokenizer_fields()
     tokenizer = Tokenizer.from_gguf_fields(tok_fields, source=str(path))
@@ -97,7 +93,12 @@ def load_gguf(
         bos_token_id=tokenizer.bos_token_id,
         eos_token_ids=tokenizer.eos_token_ids,
         name=str(meta.get("general.name", path.stem)),
+        rope_freq_factors=rope_freq_factors,
     )
+    if rope_freq_factors is not None and len(rope_freq_factors) != config.head_dim // 2:
+        raise ModelLoadError(
+            f"{path}: rope_freqs.weight has {len(rope_freq_factors)} values, expected {config.head_dim // 2}"
+        )
     weights: dict[str, torch.Tensor] = {}
     quantized: dict[str, QuantBlocks] = {}
     for hf_name, shape in expected_shapes(config).items():
@@ -185,6 +186,33 @@ def _dequantize(tensor: gguf.ReaderTensor, path: Path) -> np.ndarray:
     if not w.flags.writeable or not w.flags.c_contiguous:
         w = w.copy()  # F32 data is a view into the read-only memory map
     return w
+
+
+def _rope_factors(
+    path: Path, arch: str, meta: _GGUFMeta, tensors: dict[str, gguf.ReaderTensor]
+) -> tuple[float, ...] | None:
+    """RoPE scaling as llama.cpp's converter stores it: Llama 3's per-frequency divisors as the tensor
+    `rope_freqs.weight`, a linear scaling as `{arch}.rope.scaling.type` "linear" with its factor (both may come
+    together: the divisors multiply). Other scalings (yarn, longrope) are refused: ignored, they would change
+    every long context."""
+    kind = str(meta.get(f"{arch}.rope.scaling.type", "none"))
+    if kind not in ("none", "linear"):
+        raise ModelLoadError(f"{path}: RoPE scaling {kind!r} is not supported (supported: linear, llama3)")
+    factors: list[float] | None = None
+    if "rope_freqs.weight" in tensors:
+        freqs = _dequantize(tensors["rope_freqs.weight"], path).reshape(-1)
+        if not (np.isfinite(freqs).all() and (freqs > 0).all()):
+            raise ModelLoadError(f"{path}: rope_freqs.weight holds values that are not positive and finite")
+        factors = [float(f) for f in freqs]
+    if kind == "linear":
+        scale = meta.get_float(f"{arch}.rope.scaling.factor")
+        if not scale > 0:
+            raise ModelLoadError(f"{path}: {arch}.rope.scaling.factor must be positive, got {scale}")
+        head_dim = int(meta.get(f"{arch}.attention.key_length", 0)) or int(
+            meta.get(f"{arch}.embedding_length")
+        ) // int(meta.get(f"{arch}.attention.head_count"))
+        factors = [f * scale for f in factors or [1.0] * (head_dim // 2)]
+    return tuple(factors) if factors is not None else None
 
 
 def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:

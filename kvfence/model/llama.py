@@ -110,8 +110,17 @@ class Rotary:
     """Rotary embedding in Hugging Face layout (rotate_half over the two halves of each head). A plain object,
     not a module, so that casting the model to bfloat16 leaves the float32 tables alone."""
 
-    def __init__(self, head_dim: int, max_pos: int, theta: float, device: str | torch.device = "cpu") -> None:
+    def __init__(
+        self,
+        head_dim: int,
+        max_pos: int,
+        theta: float,
+        device: str | torch.device = "cpu",
+        factors: tuple[float, ...] | None = None,  # RoPE scaling: each frequency divided by its factor
+    ) -> None:
         inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+        if factors is not None:
+            inv_freq = inv_freq / torch.tensor(factors, dtype=torch.float64)
         freqs = torch.outer(torch.arange(max_pos, dtype=torch.float64), inv_freq)  # [max_pos, Dh/2]
         emb = torch.cat([freqs, freqs], dim=-1)
         self.cos = emb.cos().float().to(device)
@@ -137,6 +146,12 @@ class Rotary:
     def __call__(self, x: Tensor, positions: Tensor) -> Tensor:
         # x: [T, heads, Dh]
         return self.apply(x, *self.tables(positions, x.dtype))
+
+
+# Prefill chunks with at least this many query x key scores take torch's `scaled_dot_product_attention` rather
+# than the C++ kernel: from about 128 x 128 on it is faster, 3x at 2,000 tokens (AMX; 2.4x with oneDNN capped to
+# AVX512-BF16); below, the kernel is (docs/performance.md, session 18).
+SDPA_MIN_SCORES = 128 * 128
 
 
 class Attention(nn.Module):
@@ -184,7 +199,7 @@ class Attention(nn.Module):
     ) -> None:
         """Attention of one prefill chunk, written into `out` ([q_len, H, Dh], the chunk's rows of the step's)."""
         ctx, span = seq.start_pos + seq.q_len, slice(seq.q_start, seq.q_start + seq.q_len)
-        if self.kernels is not None:
+        if self.kernels is not None and seq.q_len * ctx < SDPA_MIN_SCORES:
             # query i sees keys [0, start_pos + i]: the chunk's own K/V, or every page read back
             if seq.start_pos == 0:
                 k, v = k_new[span], v_new[span]
@@ -192,6 +207,7 @@ class Attention(nn.Module):
                 k, v = (t[:ctx] for t in cache.gather(self.layer, seq.pages))
             self.kernels.prefill_attention(out, q[span], k, v, self.scale)
             return
+        # torch's flash attention: its matrix products go through oneDNN (AMX where the CPU has it)
         qs = q[span].transpose(0, 1).unsqueeze(0)  # [1, H, q_len, Dh]
         if seq.start_pos == 0:  # a first chunk attends only to itself: its K/V as computed, no read-back
             k, v = k_new[span].transpose(0, 1).unsqueeze(0), v_new[span].transpose(0, 1).unsqueeze(0)
@@ -362,7 +378,7 @@ class LlamaForCausalLM(nn.Module):
         model = model.eval()
         if any(t.is_meta for t in model.state_dict().values()):
             raise RuntimeError("a parameter was left on the meta device")
-        model.rotary = Rotary(cfg.head_dim, cfg.context_length, cfg.rope_theta, device)
+        model.rotary = Rotary(cfg.head_dim, cfg.context_length, cfg.rope_theta, device, cfg.rope_freq_factors)
         if PackedLinear.supported(dtype, device):
             pack_linears(model)
         # no kernels when switched off, not bfloat16 on the CPU, or not buildable: the torch path then

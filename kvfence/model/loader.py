@@ -15,7 +15,6 @@ Every way a file can be wrong ends in a `ModelLoadError` whose message names the
 from __future__ import annotations
 
 import json
-import logging
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -27,12 +26,10 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from kvfence.config import KernelOptions
-from kvfence.model.config import ModelConfig, expected_shapes
+from kvfence.model.config import ModelConfig, RopeScalingError, expected_shapes, rope_scaling_factors
 from kvfence.model.gguf_reader import gguf_tokenizer, load_gguf
 from kvfence.model.quant import QuantBlocks
 from kvfence.model.tokenizer import ModelLoadError, Tokenizer
-
-logger = logging.getLogger(__name__)
 
 __all__ = ["LoadedModel", "ModelLoadError", "expected_shapes", "load_model", "load_tokenizer"]
 
@@ -133,11 +130,12 @@ def _hf_config(raw: Mapping[str, Any], tokenizer: Tokenizer, cfg_file: Path) -> 
     d, n_heads = int(need("hidden_size")), int(need("num_attention_heads"))
     # transformers >= 5 nests rope_theta in rope_parameters; older versions keep it at the top level.
     rope = raw.get("rope_parameters") or {}
-    if raw.get("rope_scaling") or rope.get("rope_type", "default") != "default":
-        logger.warning(
-            "%s: RoPE scaling is not supported and is ignored; long contexts may degrade", cfg_file
-        )
     rope_theta = raw.get("rope_theta") or rope.get("rope_theta") or 10000.0
+    head_dim = int(raw.get("head_dim") or d // n_heads)
+    try:
+        factors = rope_scaling_factors(raw.get("rope_scaling") or rope, head_dim, float(rope_theta))
+    except RopeScalingError as e:
+        raise ModelLoadError(f"{cfg_file}: {e}") from e
     return ModelConfig(
         architecture=arch,
         vocab_size=int(need("vocab_size")),
@@ -146,7 +144,7 @@ def _hf_config(raw: Mapping[str, Any], tokenizer: Tokenizer, cfg_file: Path) -> 
         num_layers=int(need("num_hidden_layers")),
         num_heads=n_heads,
         num_kv_heads=int(raw.get("num_key_value_heads") or n_heads),
-        head_dim=int(raw.get("head_dim") or d // n_heads),
+        head_dim=head_dim,
         rope_theta=float(rope_theta),
         rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
         context_length=int(need("max_position_embeddings")),
@@ -155,6 +153,7 @@ def _hf_config(raw: Mapping[str, Any], tokenizer: Tokenizer, cfg_file: Path) -> 
         bos_token_id=tokenizer.bos_token_id,
         eos_token_ids=tokenizer.eos_token_ids,
         name=str(raw.get("_name_or_path") or cfg_file.parent.name),
+        rope_freq_factors=factors,
     )
 
 
