@@ -33,6 +33,7 @@ import torch
 from safetensors.torch import save_file
 
 from kvfence.model.fetch import DEFAULT_MODEL_PATH
+from kvfence.model.gguf_reader import gguf_name  # Hugging Face -> GGUF tensor names, as llama.cpp's converter
 
 # bench/kernels.py would shadow the `kernels` package that transformers imports
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
@@ -135,30 +136,6 @@ def write_hf(out: Path, name: str, shape: Shape, w: dict[str, torch.Tensor], tok
 
 
 # -- GGUF ---------------------------------------------------------------------------------------------------
-
-_LAYER = {
-    "input_layernorm.weight": "attn_norm.weight",
-    "self_attn.q_proj.weight": "attn_q.weight",
-    "self_attn.k_proj.weight": "attn_k.weight",
-    "self_attn.v_proj.weight": "attn_v.weight",
-    "self_attn.q_proj.bias": "attn_q.bias",
-    "self_attn.k_proj.bias": "attn_k.bias",
-    "self_attn.v_proj.bias": "attn_v.bias",
-    "self_attn.o_proj.weight": "attn_output.weight",
-    "post_attention_layernorm.weight": "ffn_norm.weight",
-    "mlp.gate_proj.weight": "ffn_gate.weight",
-    "mlp.up_proj.weight": "ffn_up.weight",
-    "mlp.down_proj.weight": "ffn_down.weight",
-}
-_GLOBAL = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-           "lm_head.weight": "output.weight"}  # fmt: skip
-
-
-def gguf_name(hf: str) -> str:
-    if hf in _GLOBAL:
-        return _GLOBAL[hf]
-    _, _, layer, rest = hf.split(".", 3)
-    return f"blk.{layer}.{_LAYER[rest]}"
 
 
 def permute(w: np.ndarray, n_head: int) -> np.ndarray:

@@ -48,7 +48,7 @@ _HF_TO_GGUF = {hf: gg for gg, hf in _GGUF_GLOBAL.items()} | {
 _PERMUTED_ARCHS = ("llama", "mistral")
 
 
-def _gguf_name(hf_name: str) -> str:
+def gguf_name(hf_name: str) -> str:
     """`model.layers.3.self_attn.q_proj.weight` -> `blk.3.attn_q.weight` (for error messages and lookup)."""
     parts = hf_name.split(".")
     if hf_name.startswith("model.layers.") and len(parts) > 3:
@@ -102,7 +102,7 @@ def load_gguf(
     weights: dict[str, torch.Tensor] = {}
     quantized: dict[str, QuantBlocks] = {}
     for hf_name, shape in expected_shapes(config).items():
-        gg_name = _gguf_name(hf_name)
+        gg_name = gguf_name(hf_name)
         if gg_name not in tensors:
             raise ModelLoadError(f"{path}: missing tensor {gg_name}")
         w = _dequantize(tensors[gg_name], path)
