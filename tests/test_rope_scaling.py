@@ -91,6 +91,19 @@ def test_an_unimplemented_scaling_is_refused(tmp_path: Path) -> None:
         load_model(write_tiny_gguf(tmp_path / "zero.gguf", rope_freqs=[1.0] * 7 + [0.0]))
     with pytest.raises(ModelLoadError, match=r"rope_freqs\.weight has 4 values, expected 8"):
         load_model(write_tiny_gguf(tmp_path / "short.gguf", rope_freqs=[1.0] * 4))
-    with pytest.raises(RopeScalingError):
-        rope_scaling_factors({"type": "dynamic", "factor": 2.0}, HEAD_DIM, THETA)
+    with pytest.raises(RopeScalingError, match="'longrope' is not supported"):
+        rope_scaling_factors({"rope_type": "longrope", "short_factor": [1.0]}, HEAD_DIM, THETA)
+    for bad in (0.0, -2.0, float("nan"), "x"):
+        with pytest.raises(RopeScalingError):
+            rope_scaling_factors({"rope_type": "linear", "factor": bad}, HEAD_DIM, THETA)
+    with pytest.raises(ModelLoadError, match="factor must be positive"):
+        load_model(write_tiny_gguf(tmp_path / "neg.gguf", rope_scaling=("linear", -1.0)))
+    # dynamic NTK changes nothing within max_position_embeddings, the most kvfence serves: exact to leave out
+    assert rope_scaling_factors({"type": "dynamic", "factor": 2.0}, HEAD_DIM, THETA) is None
     assert rope_scaling_factors({"rope_type": "default"}, HEAD_DIM, THETA) is None
+
+
+def test_a_gguf_factor_without_a_type_is_linear(tmp_path: Path) -> None:
+    """llama.cpp reads `rope.scaling.factor` without `rope.scaling.type` as a linear scaling; so does kvfence."""
+    loaded = load_model(write_tiny_gguf(tmp_path / "m.gguf", seed=4, rope_scaling=("", 4.0)))
+    assert loaded.config.rope_freq_factors == rope_scaling_factors(LINEAR, HEAD_DIM, THETA)

@@ -84,26 +84,28 @@ def rope_scaling_factors(
     "linear" divides every frequency by `factor` (positions / factor); "llama3" (Llama 3.1+) divides the low
     frequencies (wavelength above original_max_position_embeddings / low_freq_factor) by `factor`, keeps the high
     ones (below original / high_freq_factor), and interpolates in between, as transformers'
-    `_compute_llama3_parameters` does. None or "default": None. Anything else: RopeScalingError."""
+    `_compute_llama3_parameters` does. None, "default" and "dynamic" (dynamic NTK changes nothing within
+    `max_position_embeddings`, past which kvfence serves nothing): None. Anything else (yarn, longrope, ...) or a
+    bad parameter: RopeScalingError."""
     if not params:
         return None
     kind = params.get("rope_type", params.get("type", "default"))
-    if kind in (None, "default"):
+    if kind in (None, "default", "dynamic"):
         return None
+    if kind not in ("linear", "llama3"):
+        raise RopeScalingError(f"RoPE scaling {kind!r} is not supported (supported: linear, llama3)")
     try:
         factor = float(params["factor"])
-        if kind == "linear":
-            return tuple(factor for _ in range(head_dim // 2))
         if kind == "llama3":
             low, high = float(params["low_freq_factor"]), float(params["high_freq_factor"])
             original = float(params["original_max_position_embeddings"])
-        else:
-            raise RopeScalingError(f"RoPE scaling {kind!r} is not supported (supported: linear, llama3)")
     except (KeyError, TypeError, ValueError) as e:
-        if isinstance(e, RopeScalingError):
-            raise
         raise RopeScalingError(f"RoPE scaling {kind!r}: missing or bad parameter ({e})") from e
-    if not (factor > 0 and high > low > 0 and original > 0):
+    if not (math.isfinite(factor) and factor > 0):
+        raise RopeScalingError(f"RoPE scaling {kind!r}: factor must be positive, got {params['factor']!r}")
+    if kind == "linear":
+        return tuple(factor for _ in range(head_dim // 2))
+    if not (high > low > 0 and math.isfinite(high) and math.isfinite(original) and original > 0):
         raise RopeScalingError(f"RoPE scaling llama3: bad parameters {dict(params)}")
     low_wavelen, high_wavelen = original / low, original / high
     factors = []

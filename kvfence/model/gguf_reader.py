@@ -70,12 +70,11 @@ def load_gguf(
     if "blk.0.attn_output.bias" in tensors:
         raise ModelLoadError(f"{path}: attention output bias (blk.*.attn_output.bias) is not supported")
 
-    rope_freq_factors = _rope_factors(path, arch, meta, tensors)
-
     tok_fields = meta.tokenizer_fields()
     tokenizer = Tokenizer.from_gguf_fields(tok_fields, source=str(path))
     d = int(meta.get(f"{arch}.embedding_length"))
     n_heads = int(meta.get(f"{arch}.attention.head_count"))
+    head_dim = int(meta.get(f"{arch}.attention.key_length", d // n_heads))
     config = ModelConfig(
         architecture=arch,
         vocab_size=int(meta.get(f"{arch}.vocab_size", len(tok_fields["tokenizer.ggml.tokens"]))),
@@ -84,7 +83,7 @@ def load_gguf(
         num_layers=int(meta.get(f"{arch}.block_count")),
         num_heads=n_heads,
         num_kv_heads=int(meta.get(f"{arch}.attention.head_count_kv", n_heads)),
-        head_dim=int(meta.get(f"{arch}.attention.key_length", d // n_heads)),
+        head_dim=head_dim,
         rope_theta=meta.get_float(f"{arch}.rope.freq_base", 10000.0),
         rms_norm_eps=meta.get_float(f"{arch}.attention.layer_norm_rms_epsilon"),
         context_length=int(meta.get(f"{arch}.context_length")),
@@ -93,12 +92,8 @@ def load_gguf(
         bos_token_id=tokenizer.bos_token_id,
         eos_token_ids=tokenizer.eos_token_ids,
         name=str(meta.get("general.name", path.stem)),
-        rope_freq_factors=rope_freq_factors,
+        rope_freq_factors=_rope_factors(path, arch, meta, tensors, head_dim),
     )
-    if rope_freq_factors is not None and len(rope_freq_factors) != config.head_dim // 2:
-        raise ModelLoadError(
-            f"{path}: rope_freqs.weight has {len(rope_freq_factors)} values, expected {config.head_dim // 2}"
-        )
     weights: dict[str, torch.Tensor] = {}
     quantized: dict[str, QuantBlocks] = {}
     for hf_name, shape in expected_shapes(config).items():
@@ -189,13 +184,16 @@ def _dequantize(tensor: gguf.ReaderTensor, path: Path) -> np.ndarray:
 
 
 def _rope_factors(
-    path: Path, arch: str, meta: _GGUFMeta, tensors: dict[str, gguf.ReaderTensor]
+    path: Path, arch: str, meta: _GGUFMeta, tensors: dict[str, gguf.ReaderTensor], head_dim: int
 ) -> tuple[float, ...] | None:
-    """RoPE scaling as llama.cpp's converter stores it: Llama 3's per-frequency divisors as the tensor
-    `rope_freqs.weight`, a linear scaling as `{arch}.rope.scaling.type` "linear" with its factor (both may come
-    together: the divisors multiply). Other scalings (yarn, longrope) are refused: ignored, they would change
-    every long context."""
-    kind = str(meta.get(f"{arch}.rope.scaling.type", "none"))
+    """RoPE scaling as llama.cpp reads it: Llama 3's per-frequency divisors as the tensor `rope_freqs.weight`, a
+    linear scaling as `{arch}.rope.scaling.factor` (or the older `{arch}.rope.scale_linear`) with
+    `{arch}.rope.scaling.type` "linear" or absent; both may come together (the divisors multiply). Other types
+    (yarn, longrope) are refused: ignored, they would change the positions of every token."""
+    factor = meta.get(f"{arch}.rope.scaling.factor", None)
+    if factor is None:
+        factor = meta.get(f"{arch}.rope.scale_linear", None)
+    kind = str(meta.get(f"{arch}.rope.scaling.type", "none" if factor is None else "linear"))
     if kind not in ("none", "linear"):
         raise ModelLoadError(f"{path}: RoPE scaling {kind!r} is not supported (supported: linear, llama3)")
     factors: list[float] | None = None
@@ -203,14 +201,15 @@ def _rope_factors(
         freqs = _dequantize(tensors["rope_freqs.weight"], path).reshape(-1)
         if not (np.isfinite(freqs).all() and (freqs > 0).all()):
             raise ModelLoadError(f"{path}: rope_freqs.weight holds values that are not positive and finite")
+        if len(freqs) != head_dim // 2:
+            raise ModelLoadError(
+                f"{path}: rope_freqs.weight has {len(freqs)} values, expected {head_dim // 2}"
+            )
         factors = [float(f) for f in freqs]
-    if kind == "linear":
-        scale = meta.get_float(f"{arch}.rope.scaling.factor")
-        if not scale > 0:
-            raise ModelLoadError(f"{path}: {arch}.rope.scaling.factor must be positive, got {scale}")
-        head_dim = int(meta.get(f"{arch}.attention.key_length", 0)) or int(
-            meta.get(f"{arch}.embedding_length")
-        ) // int(meta.get(f"{arch}.attention.head_count"))
+    if kind == "linear" and factor is not None and float(factor) != 1.0:
+        scale = float(factor)
+        if not (np.isfinite(scale) and scale > 0):
+            raise ModelLoadError(f"{path}: RoPE linear scaling factor must be positive, got {factor!r}")
         factors = [f * scale for f in factors or [1.0] * (head_dim // 2)]
     return tuple(factors) if factors is not None else None
 

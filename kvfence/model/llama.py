@@ -148,9 +148,11 @@ class Rotary:
         return self.apply(x, *self.tables(positions, x.dtype))
 
 
-# Prefill chunks with at least this many query x key scores take torch's `scaled_dot_product_attention` rather
-# than the C++ kernel: from about 128 x 128 on it is faster, 3x at 2,000 tokens (AMX; 2.4x with oneDNN capped to
-# AVX512-BF16); below, the kernel is (docs/performance.md, session 18).
+# Prefill chunks of at least this many queries and query x key scores take torch's `scaled_dot_product_attention`
+# rather than the C++ kernel: from about 128 x 128 on it is faster, 3x at 2,000 tokens (AMX; 2.4x with oneDNN
+# capped to AVX512-BF16), 1.6x for 32 queries over 2,000 keys; below, the kernel is, and for a few queries over
+# many keys (a short last chunk, a prefix-cache hit) the kernel stays (docs/performance.md, session 18).
+SDPA_MIN_QUERIES = 32
 SDPA_MIN_SCORES = 128 * 128
 
 
@@ -199,7 +201,7 @@ class Attention(nn.Module):
     ) -> None:
         """Attention of one prefill chunk, written into `out` ([q_len, H, Dh], the chunk's rows of the step's)."""
         ctx, span = seq.start_pos + seq.q_len, slice(seq.q_start, seq.q_start + seq.q_len)
-        if self.kernels is not None and seq.q_len * ctx < SDPA_MIN_SCORES:
+        if self.kernels is not None and (seq.q_len < SDPA_MIN_QUERIES or seq.q_len * ctx < SDPA_MIN_SCORES):
             # query i sees keys [0, start_pos + i]: the chunk's own K/V, or every page read back
             if seq.start_pos == 0:
                 k, v = k_new[span], v_new[span]
