@@ -107,3 +107,29 @@ def test_a_gguf_factor_without_a_type_is_linear(tmp_path: Path) -> None:
     """llama.cpp reads `rope.scaling.factor` without `rope.scaling.type` as a linear scaling; so does kvfence."""
     loaded = load_model(write_tiny_gguf(tmp_path / "m.gguf", seed=4, rope_scaling=("", 4.0)))
     assert loaded.config.rope_freq_factors == rope_scaling_factors(LINEAR, HEAD_DIM, THETA)
+
+
+def test_the_kv_layout_fingerprint_names_the_rotation(tmp_path: Path) -> None:
+    """PD workers keep keys rotated: a prefill and a decode worker that rotate differently (another RoPE base or
+    scaling, e.g. one kvfence that ignored scaling) must not pass I6's layout comparison."""
+    from types import SimpleNamespace
+
+    from kvfence.pd.local import layout_fingerprint
+
+    def layout(path: Path) -> str:
+        cfg = load_model(path).config
+        engine = SimpleNamespace(
+            model_config=cfg,
+            config=SimpleNamespace(
+                model=SimpleNamespace(dtype="bfloat16"), cache=SimpleNamespace(page_size=16)
+            ),
+        )
+        return layout_fingerprint(engine)  # type: ignore[arg-type]
+
+    # one model name (the folder's) for all, so that only the rotation can tell the layouts apart
+    plain, llama3, linear = (
+        _hf_dir(tmp_path / n / "m", s) for n, s in (("p", None), ("l3", LLAMA3), ("lin", LINEAR))
+    )
+    layouts = {layout(plain), layout(llama3), layout(linear)}
+    assert len(layouts) == 3
+    assert layout(llama3) == layout(_hf_dir(tmp_path / "again" / "m", LLAMA3))

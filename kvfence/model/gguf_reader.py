@@ -17,7 +17,13 @@ import gguf
 import numpy as np
 import torch
 
-from kvfence.model.config import SUPPORTED_ARCHITECTURES, ModelConfig, expected_shapes
+from kvfence.model.config import (
+    SUPPORTED_ARCHITECTURES,
+    ModelConfig,
+    RopeScalingError,
+    expected_shapes,
+    rope_scaling_factors,
+)
 from kvfence.model.quant import BLOCK_BYTES, QuantBlocks
 from kvfence.model.tokenizer import ModelLoadError, Tokenizer
 
@@ -206,11 +212,13 @@ def _rope_factors(
                 f"{path}: rope_freqs.weight has {len(freqs)} values, expected {head_dim // 2}"
             )
         factors = [float(f) for f in freqs]
-    if kind == "linear" and factor is not None and float(factor) != 1.0:
-        scale = float(factor)
-        if not (np.isfinite(scale) and scale > 0):
-            raise ModelLoadError(f"{path}: RoPE linear scaling factor must be positive, got {factor!r}")
-        factors = [f * scale for f in factors or [1.0] * (head_dim // 2)]
+    if kind == "linear" and factor is not None:
+        try:
+            linear = rope_scaling_factors({"rope_type": "linear", "factor": factor}, head_dim, 0.0)
+        except RopeScalingError as e:
+            raise ModelLoadError(f"{path}: {e}") from e
+        assert linear is not None
+        factors = [f * s for f, s in zip(factors or [1.0] * len(linear), linear, strict=True)]
     return tuple(factors) if factors is not None else None
 
 

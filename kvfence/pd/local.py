@@ -9,6 +9,7 @@ here runs on one thread, which gives the receiver's atomicity contract (validate
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -25,9 +26,15 @@ from kvfence.pd.sender import ReleaseLocal, SendAbort, SendFinal, SendFrames, Tr
 
 
 def layout_fingerprint(engine: LLMEngine) -> str:
+    """What both ends of a transfer must agree on to read each other's pages: the model, the KV shape, dtype, page
+    size, and the rotation the keys were stored with (RoPE base and scaling: keys are kept rotated, so a worker
+    scaling differently would attend over another worker's keys at the wrong positions)."""
     c = engine.model_config
+    rope = f"rope{c.rope_theta:g}"
+    if c.rope_freq_factors is not None:
+        rope += "s" + hashlib.sha256(repr(c.rope_freq_factors).encode()).hexdigest()[:12]
     return (
-        f"{c.name}/{c.architecture}/L{c.num_layers}/kv{c.num_kv_heads}x{c.head_dim}/"
+        f"{c.name}/{c.architecture}/L{c.num_layers}/kv{c.num_kv_heads}x{c.head_dim}/{rope}/"
         f"{engine.config.model.dtype}/ps{engine.config.cache.page_size}"
     )
 
