@@ -260,28 +260,59 @@ def test_float32_linear_slices_equal_one_float32_matmul():
     assert torch.equal(float32_linear(x.float(), w.float(), slice_rows=7), x.float() @ w.float().T)
 
 
+@pytest.mark.parametrize("tiles", [True, False])
 @pytest.mark.parametrize("k,n", [(32, 1), (64, 37), (576, 130), (96, 65)])
-def test_linear_f32_is_float32_precise_on_bfloat16_inputs(k, n):
-    """The output head's kernel on bfloat16 weights: products of bfloat16 pairs are exact and sums stay float32, so
-    logits are within float32 noise of a float64 reference, never rounded to bfloat16 (issue 20: a 0.08 gap at a
-    logit of 25 became an exact tie in bfloat16, and the lower token id won)."""
+def test_linear_f32_is_float32_precise_on_bfloat16_inputs(k, n, tiles):
+    """The output head's kernel on bfloat16 weights, on AMX tiles (where the CPU has them) and on AVX512-BF16:
+    products of bfloat16 pairs are exact and sums stay float32, so logits are within float32 noise of a float64
+    reference, never rounded to bfloat16 (issue 20: a 0.08 gap at a logit of 25 became an exact tie in bfloat16,
+    and the lower token id won)."""
     rng = np.random.default_rng(k + n)
     w = torch.from_numpy(rng.standard_normal((n, k)).astype(np.float32)).bfloat16()
-    for rows in (1, 3, 8, 9, 20):  # one row tile, several, and the rows left over
+    for rows in (1, 3, 8, 9, 16, 20, 33, 50):  # one row tile, several, and the rows left over (8s and 16s)
         x = torch.from_numpy(rng.standard_normal((rows, k)).astype(np.float32) * 4).bfloat16()
-        out = OPS.linear_f32(x, w)
+        out = OPS.linear_f32(x, w, tiles)
         ref = x.double() @ w.double().T
         assert out.dtype == torch.float32 and out.shape == (rows, n)
         torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()))
     assert not torch.equal(out, out.bfloat16().float())  # not rounded to bfloat16
     strided = torch.from_numpy(rng.standard_normal((3, k + 32)).astype(np.float32)).bfloat16()[:, :k]
     torch.testing.assert_close(
-        OPS.linear_f32(strided, w).double(), strided.double() @ w.double().T, rtol=1e-5, atol=1e-4
+        OPS.linear_f32(strided, w, tiles).double(), strided.double() @ w.double().T, rtol=1e-5, atol=1e-4
     )
     with pytest.raises(RuntimeError, match="K"):
-        OPS.linear_f32(x[:, : k - 16], w)
+        OPS.linear_f32(x[:, : k - 16], w, tiles)
     with pytest.raises(RuntimeError, match="bfloat16"):
-        OPS.linear_f32(x, w.float())
+        OPS.linear_f32(x, w.float(), tiles)
+
+
+@pytest.mark.parametrize("tiles", [True, False])
+def test_linear_f32_rows_do_not_depend_on_the_batch(tiles):
+    """A row's logits are the same bits whatever rows share its call and wherever it sits among them (first of
+    a tile, last, alone): one request's greedy answer does not move with other tenants' load (I2's spirit for
+    the head). The tile path computes logits^T with the hidden rows as its right operand, so this checks that
+    padding and the second product tile change nothing."""
+    rng = np.random.default_rng(3)
+    k, n = 96, 70  # vocabulary rows not a multiple of the 32 a tile step takes
+    w = torch.from_numpy(rng.standard_normal((n, k)).astype(np.float32)).bfloat16()
+    x = torch.from_numpy(rng.standard_normal((40, k)).astype(np.float32)).bfloat16()
+    alone = torch.cat([OPS.linear_f32(x[i : i + 1], w, tiles) for i in range(len(x))])
+    for rows in (2, 15, 16, 17, 32, 33, 40):
+        assert torch.equal(OPS.linear_f32(x[:rows], w, tiles), alone[:rows]), rows
+    shuffled = torch.from_numpy(rng.permutation(len(x)))
+    assert torch.equal(OPS.linear_f32(x[shuffled], w, tiles), alone[shuffled])
+
+
+def test_linear_f32_takes_tiles_exactly_where_the_cpu_has_amx():
+    """Built with -march=native, the tile path exists where the CPU has AMX-BF16 (Intel Sapphire Rapids and later;
+    the AMD machines take AVX512-BF16). Both paths' float32 sums agree to float32 noise."""
+    flags = kernels.cpu_flags().split()
+    if KernelOptions.from_env().kernels_march == "native":
+        assert OPS.head_tiles() == (b"amx_bf16" in flags and b"amx_tile" in flags)
+    rng = np.random.default_rng(5)
+    w = torch.from_numpy(rng.standard_normal((300, 576)).astype(np.float32)).bfloat16()
+    x = torch.from_numpy(rng.standard_normal((24, 576)).astype(np.float32)).bfloat16()
+    torch.testing.assert_close(OPS.linear_f32(x, w, True), OPS.linear_f32(x, w, False), rtol=1e-5, atol=1e-4)
 
 
 @pytest.mark.parametrize("scalar", [False, True])

@@ -114,7 +114,8 @@ class OutputHead(nn.Module):
     answered differently on two CPUs. The sums of every path below stay float32:
       - `panels` (the GGUF's Q4_1/Q8_0 blocks, with AVX512-VNNI): `panel_linear_f32`, int8 activations in two
         levels up to FINE_MAX_ROWS rows and one beyond, for every step; the bfloat16 weight is then dropped;
-      - the C++ kernels otherwise: `linear_f32` on the bfloat16 weight (exact products, float32 sums);
+      - the C++ kernels otherwise: `linear_f32` on the bfloat16 weight (exact products, float32 sums), on AMX
+        tiles where the CPU has them, AVX512-BF16 otherwise;
       - the torch path: float32 matmuls over slices of the bfloat16 weight, upcast one slice at a time.
     A tied head holds the embedding's tensor itself: no second copy."""
 

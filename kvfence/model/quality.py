@@ -333,6 +333,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         "kernels_march": options.kernels_march,
         "kernels": (ops := kernels.ops(options)) is not None,
         "panel_vnni": ops is not None and ops.panel_vnni,
+        "head_tiles": ops is not None and ops.head_tiles,
         "onednn_bf16_packing": onednn_bf16_packing(),
         "tokens": len(ids),
         "ctx": args.ctx,

@@ -23,6 +23,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("panel_linear_scalar", &panel_linear_scalar, "panel_linear on its scalar path (tests)", py::arg("x"),
         py::arg("wp"), py::arg("d"), py::arg("m"), py::arg("kind"), py::arg("n"), py::arg("levels"),
         py::arg("out_f32") = false, nogil);
-  m.def("linear_f32", &linear_f32, "x @ W^T, bfloat16 in, float32 out (the output head)", nogil);
+  m.def("linear_f32", &linear_f32, "x @ W^T, bfloat16 in, float32 out (the output head)", py::arg("x"),
+        py::arg("w"), py::arg("tiles") = true, nogil);
+  m.def("head_tiles", &head_tiles, "whether linear_f32 runs on AMX tiles here");
   m.def("panel_vnni", &panel_vnni, "whether panel_linear has its AVX512-VNNI path here");
 }

@@ -240,6 +240,7 @@ torch::Tensor panel_linear_scalar(torch::Tensor x, torch::Tensor wp, torch::Tens
 bool panel_vnni();
 torch::Tensor panel_linear_f32(torch::Tensor x, torch::Tensor wp, torch::Tensor d, torch::Tensor m, int64_t kind,
                                int64_t n, int64_t levels);
-torch::Tensor linear_f32(torch::Tensor x, torch::Tensor w);
+torch::Tensor linear_f32(torch::Tensor x, torch::Tensor w, bool tiles);
+bool head_tiles();
 
 }  // namespace kvfence

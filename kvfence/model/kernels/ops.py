@@ -28,6 +28,8 @@ class KernelOps:
         self.lib = lib
         # whether panel_linear has its AVX512-VNNI path here (else its slow scalar path): fixed by the build
         self.panel_vnni: bool = bool(lib.panel_vnni())
+        # whether linear_f32 runs on AMX tiles here (else AVX512-BF16, or scalar): the build and the kernel's leave
+        self.head_tiles: bool = bool(lib.head_tiles())
 
     def paged_decode_attention(
         self, out: Tensor, q: Tensor, kv: Tensor, block_tables: Tensor, context_lens: Tensor, scale: float
@@ -85,9 +87,10 @@ class KernelOps:
         )
         return out
 
-    def linear_f32(self, x: Tensor, weight: Tensor) -> Tensor:
-        """x [M, K] @ weight^T with weight [N, K] bfloat16 (K a multiple of 32): float32 [M, N], float32 sums."""
-        out: Tensor = self.lib.linear_f32(x, weight)
+    def linear_f32(self, x: Tensor, weight: Tensor, tiles: bool = True) -> Tensor:
+        """x [M, K] @ weight^T with weight [N, K] bfloat16 (K a multiple of 32): float32 [M, N], float32 sums.
+        On AMX tiles where `head_tiles` (8x faster at 32 rows), unless `tiles` is False (tests, benchmarks)."""
+        out: Tensor = self.lib.linear_f32(x, weight, tiles)
         return out
 
 

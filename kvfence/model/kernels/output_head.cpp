@@ -6,13 +6,128 @@
 
 #include "cpu_ops.h"
 
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
 namespace kvfence {
 
 // Parallel over blocks of columns; each column's weights are read once for a tile of up to LOGIT_ROW_TILE rows.
 constexpr int64_t LOGIT_ROW_TILE = 8;
 constexpr int64_t LOGIT_N_CHUNK = 64;
 
-torch::Tensor linear_f32(torch::Tensor x, torch::Tensor w) {
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+// ---- AMX: the same float32 sums on the tile unit (Intel Sapphire Rapids and later) ----
+//
+// The roles are swapped so that the weight is read as it lies: a tile of 16 vocabulary rows x 32 of K is the left
+// operand (W's rows, stride K), and the few hidden-state rows, repacked once per call into the tile unit's pair
+// layout, are the right one. Each product tile is logits^T (16 vocabulary entries x 16 rows), written back
+// transposed. Every logit is the same sum in the same order whatever the other rows: the same rows give the same
+// bits in any batch. Tiles: 0-3 products, 4-5 weight, 6-7 hidden rows.
+
+constexpr int64_t TILE = 16;        // rows of a tile; also the tokens of a right-hand tile
+constexpr int64_t TILE_K = 32;      // bfloat16 values of K in one tile row (64 bytes)
+constexpr int64_t VOCAB_STEP = 32;  // vocabulary rows per iteration: two weight tiles
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+bool amx_permitted() {  // Linux hands out the tile state only to a process that asks (once; oneDNN asks too)
+  static const bool ok = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+  return ok;
+}
+
+void configure_tiles() {
+  TileConfig cfg;
+  for (int t = 0; t < 8; ++t) {
+    cfg.rows[t] = TILE;
+    cfg.colsb[t] = 64;
+  }
+  // gcc 12 does not see that ldtilecfg reads the whole struct and drops the stores above without this barrier
+  asm volatile("" : : "r"(&cfg) : "memory");
+  _tile_loadconfig(&cfg);
+}
+
+// out [M, N] float32 = x [M, K] @ w^T, w [N, K] bfloat16, K % 32 == 0
+void linear_f32_tiles(const uint16_t* xp, int64_t ldx, const uint16_t* wp, float* op, int64_t M, int64_t N,
+                      int64_t K) {
+  const int64_t blocks = (M + TILE - 1) / TILE, kb = K / TILE_K;
+  // x in pair layout: xv[b][kk][i][t][2] = x[b * 16 + t][kk * 32 + 2i .. 2i + 1], zero beyond M
+  std::vector<uint16_t> xv(blocks * kb * TILE * TILE * 2, 0);
+  for (int64_t r = 0; r < M; ++r)
+    for (int64_t k = 0; k < K; ++k)
+      xv[(((r / TILE) * kb + k / TILE_K) * TILE + (k % TILE_K) / 2) * TILE * 2 + (r % TILE) * 2 + k % 2] =
+          xp[r * ldx + k];
+  const int64_t steps = (N + VOCAB_STEP - 1) / VOCAB_STEP;
+  at::parallel_for(0, steps, 8, [&](int64_t begin, int64_t end) {
+    configure_tiles();
+    alignas(64) float c[TILE * TILE];
+    std::vector<uint16_t> tail;  // the last vocabulary rows when N % 32 != 0, zero-padded to a whole step
+    for (int64_t s = begin; s < end; ++s) {
+      const int64_t n0 = s * VOCAB_STEP, valid = std::min(VOCAB_STEP, N - n0);
+      const uint16_t* w = wp + n0 * K;
+      if (valid < VOCAB_STEP) {
+        tail.assign(VOCAB_STEP * K, 0);
+        std::memcpy(tail.data(), w, valid * K * sizeof(uint16_t));
+        w = tail.data();
+      }
+      for (int64_t b = 0; b < blocks; b += 2) {
+        const bool pair = b + 1 < blocks;
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int64_t kk = 0; kk < kb; ++kk) {
+          _tile_loadd(4, w + kk * TILE_K, K * 2);
+          _tile_loadd(5, w + TILE * K + kk * TILE_K, K * 2);
+          _tile_loadd(6, xv.data() + (b * kb + kk) * TILE * TILE * 2, 64);
+          _tile_dpbf16ps(0, 4, 6);
+          _tile_dpbf16ps(2, 5, 6);
+          if (pair) {
+            _tile_loadd(7, xv.data() + ((b + 1) * kb + kk) * TILE * TILE * 2, 64);
+            _tile_dpbf16ps(1, 4, 7);
+            _tile_dpbf16ps(3, 5, 7);
+          }
+        }
+        auto put = [&](int64_t half, int64_t block) {  // product tile -> out, transposed
+          const int64_t v0 = half * TILE, rows = std::min(TILE, M - block * TILE);
+          for (int64_t t = 0; t < rows; ++t) {
+            float* dst = op + (block * TILE + t) * N + n0 + v0;
+            for (int64_t v = 0; v < TILE && v0 + v < valid; ++v) dst[v] = c[v * TILE + t];
+          }
+        };
+        _tile_stored(0, c, 64);
+        put(0, b);
+        _tile_stored(2, c, 64);
+        put(1, b);
+        if (pair) {
+          _tile_stored(1, c, 64);
+          put(0, b + 1);
+          _tile_stored(3, c, 64);
+          put(1, b + 1);
+        }
+      }
+    }
+    _tile_release();
+  });
+}
+#endif
+
+bool head_tiles() {
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+  return amx_permitted();
+#else
+  return false;
+#endif
+}
+
+torch::Tensor linear_f32(torch::Tensor x, torch::Tensor w, bool tiles) {
   check_rows(x, "x");
   TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == at::kBFloat16 && w.dim() == 2 && w.is_contiguous(),
               "w: contiguous bfloat16 [N, K] on the CPU");
@@ -24,6 +139,13 @@ torch::Tensor linear_f32(torch::Tensor x, torch::Tensor w) {
   const auto* wp = reinterpret_cast<const uint16_t*>(w.data_ptr());
   const int64_t ldx = x.stride(0);
   float* op = out.data_ptr<float>();
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+  if (tiles && amx_permitted()) {
+    linear_f32_tiles(xp, ldx, wp, op, M, N, K);
+    return out;
+  }
+#endif
+  (void)tiles;
   at::parallel_for(0, (N + LOGIT_N_CHUNK - 1) / LOGIT_N_CHUNK, 1, [&](int64_t begin, int64_t end) {
     const int64_t n1 = std::min(N, end * LOGIT_N_CHUNK);
 #if defined(__AVX512BF16__)
