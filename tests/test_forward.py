@@ -228,3 +228,23 @@ def test_bfloat16_prefill_attention_routes_agree(tmp_path, monkeypatch, chunks):
     err_routed, err_kernel = (routed - f32).abs().max().item(), (kernel - f32).abs().max().item()
     assert err_routed <= 2 * err_kernel + 1e-3, (err_routed, err_kernel)
     assert (routed.argmax(-1) == f32.argmax(-1)).float().mean() >= 0.95
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_long_steps_compute_the_mlp_in_slices_of_rows(tmp_path, monkeypatch, dtype):
+    """A step longer than `MLP_CHUNK_ROWS` runs its MLP a slice of rows at a time (activations stay in cache):
+    every slice boundary, and a last short slice, gives the logits of one whole product."""
+    import kvfence.model.llama as llama
+
+    loaded = load_model(write_tiny_hf_dir(tmp_path / "m", arch="qwen2", seed=5, bias=True))
+    ids = torch.randint(
+        0, loaded.config.vocab_size, (70,), generator=torch.Generator().manual_seed(2)
+    ).tolist()
+    whole = run_paged(loaded, ids, chunks=[70], dtype=dtype)
+    calls: list[int] = []
+    rows = llama.MLP._rows
+    monkeypatch.setattr(llama.MLP, "_rows", lambda self, x: calls.append(x.shape[0]) or rows(self, x))
+    monkeypatch.setattr(llama, "MLP_CHUNK_ROWS", 16)
+    sliced = run_paged(loaded, ids, chunks=[70], dtype=dtype)
+    assert calls[:5] == [16, 16, 16, 16, 6]  # the first layer's slices
+    torch.testing.assert_close(sliced, whole, rtol=1e-5, atol=1e-5)

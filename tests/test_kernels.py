@@ -40,7 +40,7 @@ def random_case(heads, kv_heads, head_dim, lens, page_size=16, num_pages=40, see
 
 @pytest.mark.parametrize(
     "heads,kv_heads,head_dim",
-    [(9, 3, 64), (8, 2, 32), (4, 2, 16), (6, 1, 48), (16, 2, 128), (4, 4, 64)],
+    [(9, 3, 64), (8, 2, 32), (4, 2, 16), (6, 1, 48), (16, 2, 128), (4, 4, 64), (14, 2, 64), (7, 1, 192)],
 )
 def test_decode_attention_matches_float32(heads, kv_heads, head_dim):
     lens = [1, 15, 16, 17, 64, 230]  # a single token, page edges, several pages

@@ -246,6 +246,13 @@ class Attention(nn.Module):
         return torch.matmul(probs, kv[1]).view(b, h, dh)  # [B, H, Dh]
 
 
+# Rows of a step's MLP computed at a time. Each row's result is its own (the same bits in our tests: oneDNN's sums
+# over K do not depend on the row count here), but a slice's [rows, 2 I] activations stay in cache: oneDNN's
+# gate/up product falls from ~3.9 to ~1.8 TFLOP/s past ~1,000 rows, and a 2,048-row MLP of the 0.5B model took
+# 31-34 ms as one product, 19.8 ms in slices of 512 (docs/performance.md, session 19).
+MLP_CHUNK_ROWS = 512
+
+
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -256,6 +263,14 @@ class MLP(nn.Module):
         self.kernels: KernelOps | None = None  # the backend's C++ kernels, set at load
 
     def forward(self, x: Tensor) -> Tensor:
+        if x.dim() == 2 and x.shape[0] > MLP_CHUNK_ROWS:  # a long prefill: a slice of rows at a time
+            out = torch.empty(x.shape[0], self.down_proj.out_features, dtype=x.dtype, device=x.device)
+            for start in range(0, x.shape[0], MLP_CHUNK_ROWS):
+                out[start : start + MLP_CHUNK_ROWS] = self._rows(x[start : start + MLP_CHUNK_ROWS])
+            return out
+        return self._rows(x)
+
+    def _rows(self, x: Tensor) -> Tensor:
         gate_up = self.gate_up_proj(x)  # [T, 2 I]: [gate | up]
         if self.kernels is not None:
             y: Tensor = self.down_proj(self.kernels.silu_mul(gate_up))

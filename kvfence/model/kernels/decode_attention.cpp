@@ -15,11 +15,12 @@ namespace kvfence {
 namespace {
 
 #ifdef __AVX512F__
-// acc[g] (64 floats each, g < G <= 4) = sum over t of probs[g * ctx + t] * V_t, V_t the head's row of token t at
-// v_head + offsets[t]. A non-zero `prefetch_row` prefetches that many values of the token AHEAD tokens on (the
-// first KV head's pass fetches whole rows, so the other heads' passes find them in cache).
-inline void weighted_sum_64(float* acc, const float* probs, int64_t ctx, int64_t G, const int64_t* offsets,
-                            const uint16_t* v_head, int64_t prefetch_row) {
+// acc[g * acc_stride ..][0 .. 64) (g < G <= 4) = sum over t of probs[g * ctx + t] * V_t, V_t 64 values of token t
+// at v_head + offsets[t]. A non-zero `prefetch_row` prefetches that many values of the token AHEAD tokens on (the
+// first pass over a row fetches whole rows, so the other passes find them in cache). Heads with more query heads
+// per KV head, or wider than 64, take several passes (`weighted_sums`).
+inline void weighted_sum_64(float* acc, int64_t acc_stride, const float* probs, int64_t ctx, int64_t G,
+                            const int64_t* offsets, const uint16_t* v_head, int64_t prefetch_row) {
   __m512 a[4][4];
   for (int g = 0; g < 4; ++g)
     for (int c = 0; c < 4; ++c) a[g][c] = _mm512_setzero_ps();
@@ -37,7 +38,22 @@ inline void weighted_sum_64(float* acc, const float* probs, int64_t ctx, int64_t
     }
   }
   for (int64_t g = 0; g < G; ++g)
-    for (int c = 0; c < 4; ++c) _mm512_storeu_ps(acc + g * 64 + c * 16, a[g][c]);
+    for (int c = 0; c < 4; ++c) _mm512_storeu_ps(acc + g * acc_stride + c * 16, a[g][c]);
+}
+
+// acc [H, Dh] = every head's weighted sum of V (scores: [H, ctx] probabilities), Dh a multiple of 64: passes of
+// up to 4 query heads x 64 values, so the accumulators stay in registers for any grouping (Qwen2.5-0.5B's 7 query
+// heads per KV head take two)
+inline void weighted_sums(float* acc, const float* scores, int64_t ctx, int64_t Hkv, int64_t G, int64_t Dh,
+                          const int64_t* offsets, const uint16_t* v_base) {
+  for (int64_t kh = 0; kh < Hkv; ++kh)
+    for (int64_t g0 = 0; g0 < G; g0 += 4)
+      for (int64_t c0 = 0; c0 < Dh; c0 += 64) {
+        const int64_t h = kh * G + g0;
+        const bool first = kh == 0 && g0 == 0 && c0 == 0;
+        weighted_sum_64(acc + h * Dh + c0, Dh, scores + h * ctx, ctx, std::min<int64_t>(4, G - g0), offsets,
+                        v_base + kh * Dh + c0, first ? Hkv * Dh : 0);
+      }
 }
 #endif
 
@@ -151,10 +167,8 @@ void paged_decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor kv
       }
       std::fill(acc.begin(), acc.end(), 0.0f);
 #ifdef __AVX512F__
-      if (Dh == 64 && G <= 4) {  // SmolLM2's shape: one KV head's G accumulators stay in registers
-        for (int64_t kh = 0; kh < Hkv; ++kh)
-          weighted_sum_64(&acc[kh * G * 64], &scores[kh * G * ctx], ctx, G, offsets.data(), v_base + kh * 64,
-                          kh == 0 ? Hkv * 64 : 0);
+      if (Dh % 64 == 0) {
+        weighted_sums(acc.data(), scores.data(), ctx, Hkv, G, Dh, offsets.data(), v_base);
       } else
 #endif
       for (int64_t t = 0; t < ctx; ++t) {
