@@ -317,13 +317,14 @@ PYEOF
 
 fairness_loads() {  # fairness_loads LABEL: bench/fairness.py's loads against the server on $PORT
   mkdir -p "$RESULTS/fairness"
-  local loads=("16 1700") load
+  local loads=("16 1700") load seed=0
   [[ ${FAIRNESS_HARD:-0} == 1 ]] && loads+=("64 2000")
   for load in "${loads[@]}"; do
     set -- "$1" $load
+    seed=$((seed + 10))  # each load its own prompts: B's "alone" must not hit the prefix cache the last load filled
     log "$1 fairness: A $2 in flight x $3 tokens (load average: $(cut -d' ' -f1-3 /proc/loadavg))"
     "$PY" "$ROOT/bench/fairness.py" --base-url "http://127.0.0.1:$PORT" --key-a key-a --key-b key-b \
-      --a-in-flight "$2" --a-prompt-len "$3" --label "$1" --json "$RESULTS/fairness/$1.a$2x$3.json" >/dev/null \
+      --a-in-flight "$2" --a-prompt-len "$3" --seed "$seed" --label "$1" --json "$RESULTS/fairness/$1.a$2x$3.json" >/dev/null \
       || log "$1 fairness had failures"
   done
 }
