@@ -140,8 +140,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--a-in-flight", type=int, default=16)
     ap.add_argument("--a-prompt-len", type=int, default=1700)
     ap.add_argument("--a-head-start", type=float, default=2.0, help="seconds A floods before B starts")
-    ap.add_argument("--seed", type=int, default=0, help="prompts use seeds SEED..SEED+3: a second run against "
-                    "the same server needs another (SEED+10), or B's prompts hit the prefix cache the last one filled")
+    ap.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="prompts use seeds SEED..SEED+3: a second run against "
+        "the same server needs another (SEED+10), or B's prompts hit the prefix cache the last one filled",
+    )
     ap.add_argument("--timeout", type=float, default=900.0)
     ap.add_argument("--label", default="")
     ap.add_argument("--json", dest="json_path", default=None)

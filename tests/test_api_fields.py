@@ -168,3 +168,39 @@ def test_tokenize_and_detokenize(server, tiny_model):
         assert param is None or bad.json()["error"]["param"] == param
     wrong = httpx.post(f"{server.url}/tokenize", json={"model": "other", "prompt": "a"}, timeout=60)
     assert wrong.status_code == 404
+
+
+NAMED_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}{% if m.name %} ({{ m.name }}){% endif %}\n"
+    "{{ m['content'] }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def test_a_messages_name_is_rendered_by_a_template_that_uses_it_and_refused_by_one_that_does_not(
+    server, tiny_model
+):
+    """Never accepted and ignored: `name` reaches the chat template; a template that does not render it (the
+    tiny model's, like SmolLM2's) gets a 400 naming the message, and nothing is queued."""
+    from kvfence.model.tokenizer import Tokenizer
+    from kvfence.server.errors import OpenAIError
+    from kvfence.server.serving import render_chat
+    from kvfence.server.tools import ToolFormat
+
+    tok = tiny_model.tokenizer
+    named = Tokenizer(tok._hf, bos_token_id=tok.bos_token_id, eos_token_ids=tok.eos_token_ids,
+                      add_bos=tok.add_bos, chat_template=NAMED_TEMPLATE)  # fmt: skip
+    messages = [{"role": "user", "content": "hi", "name": "alice"}, {"role": "user", "content": "yo"}]
+    text = render_chat(named, ToolFormat.for_template(NAMED_TEMPLATE), messages, [])
+    assert "<|im_start|>user (alice)" in text and text.count("(") == 1
+    with pytest.raises(OpenAIError, match=r"messages\[0\]\.name"):
+        render_chat(tok, ToolFormat.for_template(tok.chat_template), messages, [])
+
+    before = server.engine.engine.pool.num_free
+    chat = [{"role": "system", "content": "s"}, {"role": "user", "content": "hi", "name": "bob"}]
+    body = {"model": MODEL, "max_tokens": 4, "messages": chat}
+    r = httpx.post(f"{server.base_url}/chat/completions", json=body, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
+    assert "messages[1].name" in r.json()["error"]["message"]
+    assert server.engine.engine.pool.num_free == before
+    del body["messages"][1]["name"]
+    assert httpx.post(f"{server.base_url}/chat/completions", json=body, timeout=60).status_code == 200

@@ -129,6 +129,8 @@ class ChatMessage(_Strict):
             ]
         if self.tool_call_id is not None:
             out["tool_call_id"] = self.tool_call_id
+        if self.name is not None:
+            out["name"] = self.name
         return out
 
 

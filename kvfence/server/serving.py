@@ -24,7 +24,7 @@ from kvfence.engine.errors import AdmissionError, EngineUnavailable
 from kvfence.engine.grammar import Grammars
 from kvfence.engine.output import RequestOutput
 from kvfence.engine.preflight import PreflightReport
-from kvfence.model.tokenizer import ChatTemplateError
+from kvfence.model.tokenizer import ChatTemplateError, Tokenizer
 from kvfence.server import responses as R
 from kvfence.server.async_engine import AsyncEngine, QueueFull, Submission
 from kvfence.server.errors import (
@@ -105,6 +105,35 @@ class _Job:
     submission: Submission
     echoes: list[R.Echo] | None = None  # completions with echo: each choice's prompt
     headers: dict[str, str] | None = None  # a limited tenant's x-ratelimit-* headers
+
+
+def render_chat(
+    tokenizer: Tokenizer,
+    fmt: ToolFormat,
+    messages: list[dict[str, Any]],
+    functions: list[Function],
+    add_generation_prompt: bool = True,
+) -> str:
+    """The prompt text of a chat request. A message's `name` is passed to the template; if the template does not
+    render it (the same text without the names: SmolLM2's, for one), it is refused rather than ignored."""
+    rendered, extra = render_messages(messages, functions, fmt)
+    try:
+        text = tokenizer.apply_chat_template(rendered, add_generation_prompt=add_generation_prompt, **extra)
+        named = [i for i, m in enumerate(rendered) if "name" in m]
+        if named:
+            plain = [{k: v for k, v in m.items() if k != "name"} for m in rendered]
+            if (
+                tokenizer.apply_chat_template(plain, add_generation_prompt=add_generation_prompt, **extra)
+                == text
+            ):
+                raise invalid(
+                    "messages",
+                    f"messages[{named[0]}].name: this model's chat template does not render participant names, "
+                    "so the name would be ignored; leave it out or write it into the content",
+                )
+    except ChatTemplateError as e:
+        raise invalid("messages", str(e)) from e
+    return text
 
 
 class Serving:
@@ -221,13 +250,7 @@ class Serving:
         self, messages: list[dict[str, Any]], functions: list[Function], add_generation_prompt: bool = True
     ) -> list[int]:
         """Length is measured after the chat template: the engine sees exactly these tokens (tools included)."""
-        rendered, extra = render_messages(messages, functions, self.tool_format)
-        try:
-            text = self.tokenizer.apply_chat_template(
-                rendered, add_generation_prompt=add_generation_prompt, **extra
-            )
-        except ChatTemplateError as e:
-            raise invalid("messages", str(e)) from e
+        text = render_chat(self.tokenizer, self.tool_format, messages, functions, add_generation_prompt)
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     def _submit(self, body: Body, prompts: list[list[int]], rid: str, tenant: str) -> _Job:

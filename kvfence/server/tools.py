@@ -127,6 +127,8 @@ def render_messages(
             msg["tool_call_id"] = m["tool_call_id"]
         elif role == "tool":  # a template that knows no tools knows no tool role either: a user turn, tagged
             msg = {"role": "user", "content": f"<tool_response>\n{m['content']}\n</tool_response>"}
+        if m.get("name") is not None:
+            msg["name"] = m["name"]  # the participant's name, for templates that render it
         out.append(msg)
     if not functions:
         return out, {}
