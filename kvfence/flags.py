@@ -19,7 +19,7 @@ from typing import Any
 from kvfence import config as tree
 from kvfence import options
 from kvfence.config import Config
-from kvfence.options import resolve_dtype
+from kvfence.options import resolve_dtype, unique_keys
 
 
 def flag_name(f: dataclasses.Field[Any]) -> str:
@@ -109,8 +109,8 @@ def merge(config: Config, nested: Mapping[str, Mapping[str, Any]]) -> Config:
 def _read_json(path: str) -> dict[str, Any]:
     text = sys.stdin.read() if path == "-" else Path(path).read_text()
     try:
-        data = json.loads(text)
-    except json.JSONDecodeError as e:
+        data = json.loads(text, object_pairs_hook=unique_keys)
+    except ValueError as e:  # JSONDecodeError is one
         raise ValueError(f"--config {path}: not JSON: {e}") from e
     if not isinstance(data, dict) or not all(isinstance(v, dict) for v in data.values()):
         raise ValueError(f"--config {path}: expected an object of sections, each an object of fields")

@@ -102,3 +102,13 @@ def check(ok: bool, message: str) -> None:
 
 def is_march(value: str) -> bool:
     return re.fullmatch(r"[a-z0-9][a-z0-9._+-]{0,63}", value) is not None
+
+
+def unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """json.loads' object_pairs_hook: a key given twice is refused (json keeps the last one, silently)."""
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise ValueError(f"key {key!r} is given twice")
+        out[key] = value
+    return out

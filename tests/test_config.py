@@ -179,6 +179,9 @@ def test_bad_config_files_and_environment_values_are_refused(tmp_path, monkeypat
     path.write_text(json.dumps({"schedular": {}}))
     with pytest.raises(ValueError, match="schedular"):
         config_from_args(parse("generate", "--prompt", "x", "--config", str(path)))
+    path.write_text('{"scheduler": {"max_num_seqs": 7, "max_num_seqs": 9}}')  # json would keep the last
+    with pytest.raises(ValueError, match="'max_num_seqs' is given twice"):
+        config_from_args(parse("generate", "--prompt", "x", "--config", str(path)))
     monkeypatch.setenv("KVFENCE_INT8", "bogus")
     with pytest.raises(ValueError, match="KVFENCE_INT8='bogus'"):
         config_from_args(parse("generate", "--prompt", "x"))

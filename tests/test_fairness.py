@@ -225,8 +225,14 @@ def test_the_keys_file_takes_tables_with_limits_and_refuses_unknown_fields(tmp_p
         ('[tenants.a]\nkeys = ["k"]\nweight = -1\n', "weight"),
         ("[tenants.a]\nkeys = []\n", "keys"),
         ('[tenants.a]\nkeys = ["k"]\nmin_pages = 9\nmax_pages = 4\n', "max_pages"),
+        ("[tenants]\n", "names no tenant"),  # every tenant commented out: not an open server
     ]:
         path = tmp_path / "bad.toml"
+        path.write_text(bad)
+        with pytest.raises(ValueError, match=why):
+            load_keys_file(path)
+    for bad, why in [('{"tenants": {}}', "names no tenant"), ('{"k1": "alice", "k1": "bob"}', "given twice")]:
+        path = tmp_path / "bad.json"
         path.write_text(bad)
         with pytest.raises(ValueError, match=why):
             load_keys_file(path)

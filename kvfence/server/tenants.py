@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from kvfence.engine.fairness import TenantShare
+from kvfence.options import unique_keys
 from kvfence.server.errors import OpenAIError
 
 WINDOW_S = 60.0
@@ -64,7 +65,7 @@ def load_keys_file(path: str | Path) -> KeysFile:
     p = Path(path)
     text = p.read_text(encoding="utf-8")
     try:
-        data = json.loads(text) if p.suffix == ".json" else tomllib.loads(text)
+        data = json.loads(text, object_pairs_hook=unique_keys) if p.suffix == ".json" else tomllib.loads(text)
     except (ValueError, tomllib.TOMLDecodeError) as e:
         raise ValueError(f"{p}: cannot parse API keys file: {e}") from e
     if not isinstance(data, dict) or not data:
@@ -107,6 +108,10 @@ def _tables(p: Path, tenants: Mapping[str, Any]) -> KeysFile:
         except ValueError as e:
             raise ValueError(f"{where}: {e}") from e
         limits[name] = TenantLimits(**{k: v for k, v in values.items() if k in _LIMIT_FIELDS})
+    if not keys:  # an empty [tenants] would let everyone in as `anonymous`: authentication off, silently
+        raise ValueError(
+            f"{p}: [tenants] names no tenant; without --api-keys the server is open, say so that way"
+        )
     return KeysFile(keys, shares, limits)
 
 
