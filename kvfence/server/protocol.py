@@ -223,6 +223,12 @@ class _Common(_Strict):
             raise invalid("response_format" if rf is not None else "structured_outputs", str(exc)) from exc
         return None, ""
 
+    @model_validator(mode="after")
+    def _check_stream_options(self) -> _Common:
+        if self.stream_options is not None and self.stream_options.model_fields_set and not self.stream:
+            raise invalid("stream_options", "stream_options is only allowed with stream: true")
+        return self
+
     @field_validator("cache_salt")
     @classmethod
     def _check_cache_salt(cls, v: str) -> str:
@@ -246,7 +252,7 @@ class _Common(_Strict):
     @classmethod
     def _check_logit_bias(cls, v: dict[str, float]) -> dict[str, float]:
         for key, bias in v.items():
-            if not key.isdigit() or not -100.0 <= bias <= 100.0:
+            if not (key.isascii() and key.isdigit() and len(key) <= 10) or not -100.0 <= bias <= 100.0:
                 raise ValueError("logit_bias maps token ids (as strings) to biases in [-100, 100]")
         return v
 
@@ -335,6 +341,9 @@ class ChatCompletionRequest(_Common):
 
     @model_validator(mode="after")
     def _check_tools(self) -> ChatCompletionRequest:
+        both = self.max_tokens is not None and self.max_completion_tokens is not None
+        if both and self.max_tokens != self.max_completion_tokens:
+            raise invalid("max_tokens", "max_tokens and max_completion_tokens differ: send one of them")
         names = [t.function.name for t in self.tools or ()]
         if len(set(names)) != len(names):
             raise OpenAIError(400, "tools: function names must be unique", param="tools")
