@@ -144,7 +144,11 @@ BAD_PARAMS = [
     (CHAT, {"top_logprobs": 2}, "top_logprobs"),
     (CHAT, {"max_completion_tokens": 0}, "max_completion_tokens"),
     (CHAT, {"stream_options": {"include_usage": "yes"}}, "stream_options.include_usage"),
-    (CHAT, {"stream_options": {"include_usage": False}}, "stream_options"),  # without stream: it would do nothing
+    (
+        CHAT,
+        {"stream_options": {"include_usage": False}},
+        "stream_options",
+    ),  # without stream: it would do nothing
     (C, {"stream_options": {"include_usage": True}, "stream": False}, "stream_options"),
     (CHAT, {"max_tokens": 5, "max_completion_tokens": 7}, "max_tokens"),  # one would be dropped
     (C, {"logit_bias": {"\u00b2": 1}}, "logit_bias"),  # a digit to str.isdigit, not to int()
