@@ -142,6 +142,22 @@ def test_the_sampling_set_crosses_the_pd_control_plane_intact():
     assert control.params_from_json(decoded.params) == params
 
 
+@pytest.mark.parametrize(
+    "bad",
+    [{"bogus": 1}, {"temperature": "x"}, {"max_tokens": True}, {"grammar": 5}, {"stop": "a"},
+     {"stop_token_ids": [1.5]}, {"logit_bias": [[1]]}, {"top_p": float("nan")}, {"seed": 1.0}],
+)  # fmt: skip
+def test_a_peers_sampling_params_of_the_wrong_shape_are_a_control_error(bad):
+    """A PD worker takes a peer's parameters only as SamplingParams' own fields with their own types: anything
+    else is a ControlError (a ValueError: the worker answers 400 and goes on), never dropped and never a
+    TypeError out of the dataclass's comparisons (it ended the worker's loop)."""
+    from dataclasses import fields
+
+    assert set(control._PARAM_CHECKS) == {f.name for f in fields(SamplingParams)}
+    with pytest.raises(control.ControlError):
+        control.params_from_json({"max_tokens": 4, **bad})
+
+
 def test_tokenize_and_detokenize(server, tiny_model):
     tok = tiny_model.tokenizer
     r = httpx.post(f"{server.url}/tokenize", json={"model": MODEL, "prompt": "hello there"}, timeout=60)

@@ -44,6 +44,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import types
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field, fields
@@ -391,9 +392,51 @@ def params_to_json(params: SamplingParams) -> dict[str, Any]:
     return asdict(params)
 
 
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v: Any) -> bool:
+    return (_is_int(v) or isinstance(v, float)) and math.isfinite(v)
+
+
+# what each SamplingParams field may be on the wire (checked before the dataclass sees it: its own checks
+# compare numbers, and a string there would be a TypeError, not a refusal)
+_PARAM_CHECKS: dict[str, Callable[[Any], bool]] = {
+    "max_tokens": _is_int,
+    "min_tokens": _is_int,
+    "top_k": lambda v: v is None or _is_int(v),
+    "seed": lambda v: v is None or _is_int(v),
+    "logprobs": lambda v: v is None or _is_int(v),
+    "prompt_logprobs": lambda v: v is None or _is_int(v),
+    **dict.fromkeys(
+        ["temperature", "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p"],
+        _is_number,
+    ),
+    "ignore_eos": lambda v: isinstance(v, bool),
+    "cache_salt": lambda v: isinstance(v, str),
+    "grammar": lambda v: isinstance(v, str),
+    "stop": lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v),
+    "stop_token_ids": lambda v: isinstance(v, list) and all(_is_int(x) for x in v),
+    "logit_bias": lambda v: (
+        isinstance(v, list)
+        and all(isinstance(p, list) and len(p) == 2 and _is_int(p[0]) and _is_number(p[1]) for p in v)
+    ),
+}
+
+
 def params_from_json(raw: Mapping[str, Any]) -> SamplingParams:
-    known = {f.name for f in fields(SamplingParams)}
-    values: dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v for k, v in raw.items() if k in known}
+    """A peer's sampling parameters: every key a SamplingParams field, every value of its type (ControlError
+    otherwise, naming it); then the dataclass's own range checks (InvalidSamplingParams)."""
+    if not isinstance(raw, Mapping):
+        raise ControlError("params must be an object")
+    unknown = set(raw) - set(_PARAM_CHECKS)
+    if unknown:
+        raise ControlError(f"params: unknown fields {sorted(unknown)}")
+    for name, value in raw.items():
+        if not _PARAM_CHECKS[name](value):
+            raise ControlError(f"params: {name} has the wrong type ({type(value).__name__})")
+    values: dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v for k, v in raw.items()}
     if "logit_bias" in values:  # pairs arrive as JSON lists
         values["logit_bias"] = tuple(tuple(pair) for pair in values["logit_bias"])
     return SamplingParams(**values)
