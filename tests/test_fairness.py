@@ -202,6 +202,17 @@ def test_guarantees_beyond_the_pool_are_refused():
         Fairness({"A": TenantShare(min_pages=30), "B": TenantShare(min_pages=30)}, pool_pages=50)
 
 
+def test_shares_under_fcfs_are_refused_not_ignored(tiny_model):
+    """Colocated as in PD (the router refuses such a worker): fcfs applies no weight, guarantee or cap, so a keys
+    file that sets them is refused when the engine starts (`kvfence serve` exits 2); plain tenants are fine."""
+    with pytest.raises(ValueError, match="fcfs would not apply"):
+        Fairness({"A": TenantShare(max_pages=8), "B": TenantShare()}, pool_pages=50, enabled=False)
+    engine = make_engine(tiny_model, policy="fcfs")
+    with pytest.raises(ValueError, match="tenants A have weights"):
+        engine.set_tenants({"A": TenantShare(weight=2.0)})
+    assert Fairness({"A": TenantShare()}, pool_pages=50, enabled=False).shares == {"A": TenantShare()}
+
+
 # ---- the keys file --------------------------------------------------------------------------------------
 
 

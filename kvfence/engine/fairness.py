@@ -79,6 +79,12 @@ class Fairness:
         guaranteed = sum(s.min_pages for s in shares.values())
         if guaranteed > pool_pages:
             raise ValueError(f"tenants' min_pages add up to {guaranteed}, more than the pool's {pool_pages}")
+        shared = sorted(t for t, s in shares.items() if s != DEFAULT_SHARE)
+        if shared and not enabled:  # never accepted and ignored: fcfs knows no weights, guarantees or caps
+            raise ValueError(
+                f"tenants {', '.join(shared)} have weights or page shares, which --scheduling-policy fcfs would "
+                "not apply (vtc does)"
+            )
         self.shares = dict(shares)
         self.pool_pages = pool_pages
         self.enabled = enabled
