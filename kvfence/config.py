@@ -389,6 +389,10 @@ class PDOptions:
             value = getattr(self, name)
             check(value is None or value >= 1, f"--{name.replace('_', '-')} must be at least 1, got {value}")
         check(
+            self.max_threads is None or self.cores_file is not None,
+            "--max-threads only applies with --share-cores PATH (threads when the other worker has nothing)",
+        )
+        check(
             not (self.insecure_cluster and self.cluster_keys),
             "--insecure-cluster and --cluster-keys contradict each other: pick one",
         )

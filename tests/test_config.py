@@ -171,6 +171,16 @@ def test_bad_values_are_refused_naming_the_flag(argv, message):
         config_from_args(parse("generate", "--prompt", "x", *argv))
 
 
+def test_a_workers_max_threads_without_share_cores_is_refused():
+    """--max-threads is the thread count when the other worker on the host has nothing to step: without
+    --share-cores there is no other worker to watch, so it would do nothing."""
+    with pytest.raises(ValueError, match="--max-threads only applies with --share-cores"):
+        config_from_args(parse("decode", "--router", "tcp://127.0.0.1:7000", "--max-threads", "2"))
+    got = config_from_args(parse("decode", "--router", "tcp://127.0.0.1:7000", "--max-threads", "2",
+                                 "--share-cores", "/dev/shm/x"))  # fmt: skip
+    assert got.pd.max_threads == 2
+
+
 def test_bad_config_files_and_environment_values_are_refused(tmp_path, monkeypatch):
     path = tmp_path / "c.json"
     path.write_text(json.dumps({"scheduler": {"max_num_sequences": 7}}))

@@ -169,6 +169,16 @@ def test_stop_stops_every_worker():
         (["--mode", "pd", "--ray", "auto", "--restart-window", "300"], "Ray counts --max-restarts"),
         (["--placement", "load"], "--placement only applies to --mode pd"),
         (["--max-restarts", "3"], "--max-restarts only applies to --mode pd"),
+        (["--transfer-timeout", "5", "--no-share-cores"], "--no-share-cores, --transfer-timeout only apply"),
+        (["--insecure-cluster"], "--insecure-cluster only applies to --mode pd"),
+        (
+            ["--mode", "pd", "--decode-threads", "1"],
+            "--decode-threads does nothing while the workers share cores",
+        ),
+        (
+            ["--prefill-timeout", "9", "--registration-timeout", "9", "--transfer-window", "2"],
+            "--transfer-window, --prefill-timeout, --registration-timeout only apply",
+        ),
         (["--mode", "pd", "--max-restarts", "-1"], "--max-restarts must be at least 0"),
         (["--mode", "pd", "--placement", "random"], "invalid choice"),
     ],

@@ -331,6 +331,10 @@ def run_worker(config: Config, role: str, started: Callable[[Any], None] = lambd
         print(exc, file=sys.stderr)
         return 2
     share = None
+    if pd.cores_file and config.engine.decode_threads is not None:  # the share sets every step's threads
+        print(f"kvfence {role}: --decode-threads does nothing with --share-cores (each step runs on --threads "
+              "or --max-threads); leave one out", file=sys.stderr)  # fmt: skip
+        return 2
     if pd.cores_file:  # before the model loads: a bad thread count fails at once
         threads = config.engine.threads or 1
         index = re.search(r"(\d+)$", pd.cluster_key or "")  # prefill-1: its own byte in the share file
