@@ -119,6 +119,7 @@ def test_the_openai_clients_parse_returns_the_pydantic_object(server):
             "structured_outputs",
         ),
         ({"response_format": {"type": "json_object"}, "ignore_eos": True}, "ignore_eos"),
+        ({"structured_outputs": {"choice": ["yes", "no"]}, "min_tokens": 6}, "min_tokens"),
     ],
 )
 def test_a_structured_output_that_cannot_be_built_is_a_400_before_any_page(server, extra, param):

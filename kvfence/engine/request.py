@@ -100,6 +100,11 @@ class SamplingParams:
             raise InvalidSamplingParams(
                 "ignore_eos", "ignore_eos cannot be combined with a structured output"
             )
+        if self.grammar and self.min_tokens:  # a grammar that ends sooner would leave no token allowed
+            raise InvalidSamplingParams(
+                "min_tokens",
+                "min_tokens cannot be combined with a structured output (the grammar says where it ends)",
+            )
         if len(self.logit_bias) > 300 or any(not -100.0 <= b <= 100.0 or t < 0 for t, b in self.logit_bias):
             raise InvalidSamplingParams(
                 "logit_bias", "logit_bias maps at most 300 token ids to biases in [-100, 100]"
