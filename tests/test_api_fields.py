@@ -178,6 +178,16 @@ def test_tokenize_and_detokenize(server, tiny_model):
         ("/tokenize", {"model": MODEL, "prompt": "a", "messages": messages}, None),
         ("/tokenize", {"model": MODEL}, None),
         ("/tokenize", {"model": MODEL, "prompt": "a", "truncate": 3}, "truncate"),
+        (
+            "/tokenize",
+            {"model": MODEL, "messages": messages, "add_special_tokens": False},
+            "add_special_tokens",
+        ),
+        (
+            "/tokenize",
+            {"model": MODEL, "prompt": "a", "add_generation_prompt": False},
+            "add_generation_prompt",
+        ),
     ):
         bad = httpx.post(f"{server.url}{path}", json=body, timeout=60)
         assert bad.status_code == 400, bad.text

@@ -430,6 +430,11 @@ class TokenizeRequest(_Strict):
     def _one_input(self) -> TokenizeRequest:
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("give exactly one of prompt and messages")
+        if self.messages is not None and "add_special_tokens" in self.model_fields_set:
+            raise invalid("add_special_tokens", "add_special_tokens is for a prompt: with messages the chat "
+                          "template places the special tokens, as for a chat completion")  # fmt: skip
+        if self.prompt is not None and "add_generation_prompt" in self.model_fields_set:
+            raise invalid("add_generation_prompt", "add_generation_prompt is for messages, not a prompt")
         return self
 
 
