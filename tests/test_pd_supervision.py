@@ -167,12 +167,12 @@ def test_cluster_scale_adds_a_worker_that_takes_traffic_and_drains_it_away(tiny_
         wait_for(lambda: names() == ["decode-0", "prefill-0"], "the drained process to exit")
         supervised = status(url)["supervised"]
         assert all(s["restarts"] == 0 for s in supervised)
-        bad = httpx.post(
-            f"{url}/cluster/scale",
-            json={"prefill_workers": 0, "decode_workers": 1},
-            headers={"Authorization": f"Bearer {ADMIN}"},
-        )
-        assert bad.status_code == 400
+        for body in (
+            {"prefill_workers": 0, "decode_workers": 1},
+            {"prefill_workers": "1", "decode_workers": True},
+        ):
+            bad = httpx.post(f"{url}/cluster/scale", json=body, headers={"Authorization": f"Bearer {ADMIN}"})
+            assert bad.status_code == 400, bad.text  # "1" and true are no worker counts
         tenant = httpx.get(f"{url}/cluster/status", headers={"Authorization": "Bearer key-a"})
         assert tenant.status_code == 403  # a tenant's key opens no operator route
 

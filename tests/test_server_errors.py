@@ -151,6 +151,7 @@ BAD_PARAMS = [
     ),  # without stream: it would do nothing
     (C, {"stream_options": {"include_usage": True}, "stream": False}, "stream_options"),
     (CHAT, {"max_tokens": 5, "max_completion_tokens": 7}, "max_tokens"),  # one would be dropped
+    (CHAT, {"parallel_tool_calls": False}, "parallel_tool_calls"),  # without tools it would do nothing
     (C, {"logit_bias": {"\u00b2": 1}}, "logit_bias"),  # a digit to str.isdigit, not to int()
     (C, {"logit_bias": {"9" * 5000: 1}}, "logit_bias"),  # beyond int()'s digit limit
 ]

@@ -197,7 +197,7 @@ def _operator_routes(
 
 
 class ScaleRequest(BaseModel):
-    model_config = {"extra": "forbid"}
+    model_config = {"extra": "forbid", "strict": True}  # "2" or true is not a worker count
     prefill_workers: int = Field(ge=1, le=64)
     decode_workers: int = Field(ge=1, le=64)
 

@@ -347,6 +347,8 @@ class ChatCompletionRequest(_Common):
         names = [t.function.name for t in self.tools or ()]
         if len(set(names)) != len(names):
             raise OpenAIError(400, "tools: function names must be unique", param="tools")
+        if "parallel_tool_calls" in self.model_fields_set and not self.tools:
+            raise invalid("parallel_tool_calls", "parallel_tool_calls needs tools")
         choice = self.tool_choice
         if choice is not None and choice != "none" and not self.tools:
             raise invalid("tool_choice", "tool_choice needs tools")
