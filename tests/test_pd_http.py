@@ -157,6 +157,9 @@ def test_router_metrics_show_every_workers_pool(pd_server):
     assert 'kvfence_workers{role="prefill"} 1.0' in text and 'kvfence_workers{role="decode"} 1.0' in text
     assert sorted(float(line.rsplit(" ", 1)[1]) for line in totals) == [32.0, 96.0]
     assert 'state="leased"' in text and "kvfence_worker_integrity_failures_total" in text
+    assert (
+        text.count("kvfence_worker_requests{") == 4 and 'state="running"' in text
+    )  # each worker's heartbeat
 
 
 def _processes() -> dict[int, tuple[int, str]]:

@@ -167,6 +167,8 @@ class WorkersCollector(Collector):
                                   labels=["role", "worker"])  # fmt: skip
         failures = CounterMetricFamily("kvfence_worker_integrity_failures", "Requests failed by an I1 check on "
                                        "the worker", labels=["role", "worker"])  # fmt: skip
+        requests = GaugeMetricFamily("kvfence_worker_requests", "Requests on each worker's scheduler (its last "
+                                     "heartbeat), by state", labels=["role", "worker", "state"])  # fmt: skip
         live = list(self.router.workers.values())
         for role in ("prefill", "decode"):
             workers.add_metric([role], sum(w.role == role for w in live))
@@ -181,6 +183,8 @@ class WorkersCollector(Collector):
                 pages.add_metric([w.role, name, state], value)
             total.add_metric([w.role, name], pool["num_pages"])
             failures.add_metric([w.role, name], w.health.get("integrity_failures", 0))
+            requests.add_metric([w.role, name, "running"], w.health.get("num_running", 0))
+            requests.add_metric([w.role, name, "waiting"], w.num_waiting or 0)
         yield from _worker_tenant_metrics(live)
         dropped = CounterMetricFamily("kvfence_router_control_dropped", "Control messages from workers the router "
                                       "dropped, by reason (malformed, unknown op, unexpected; and what the I10 "
@@ -211,7 +215,18 @@ class WorkersCollector(Collector):
         ready = GaugeMetricFamily("kvfence_cluster_ready", "1 while a prefill/decode pair can take requests "
                                   "(what GET /health answers)")  # fmt: skip
         ready.add_metric([], float(self.router.ready()))
-        yield from (workers, pages, total, failures, dropped, regs, handshakes, worker_refused, ready)
+        yield from (
+            workers,
+            pages,
+            total,
+            failures,
+            requests,
+            dropped,
+            regs,
+            handshakes,
+            worker_refused,
+            ready,
+        )
         slots = self.supervised()
         if slots is not None:
             restarts = CounterMetricFamily("kvfence_cluster_worker_restarts", "Restarts of each supervised worker "

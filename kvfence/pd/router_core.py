@@ -458,6 +458,7 @@ class RouterCore:
         health = {
             "pool": msg.pool,
             "integrity_failures": msg.integrity_failures,
+            "num_running": msg.num_running,  # requests the worker's scheduler runs (operators: /cluster/status)
             "refused": msg.refused,
             "tenants": msg.tenants,
         }
