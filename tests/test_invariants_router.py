@@ -203,7 +203,8 @@ def test_placement_counts_the_pages_a_worker_reports_held_beyond_what_the_router
     core, _ = core_with_outbox()
     for identity, role in ((b"P", "prefill"), (b"D0", "decode"), (b"D1", "decode")):
         register(core, identity, role, fingerprint(pool_pages=64))
-    pool = {"num_pages": 64, "num_free": 24, "num_cached": 10, "num_leased": 30, "num_quarantined": 10}
+    pool = {"num_pages": 64, "num_free": 24, "num_cached": 10, "num_leased": 30, "num_quarantined": 10,
+            "num_held": 0, "num_sealed": 0, "num_evictions": 0}  # fmt: skip
     core.on_message(b"D0", control.Heartbeat(worker=b"D0".hex(), pool_free=24, pool=pool))
     for n in range(2):
         core.route([1] * 16, SamplingParams(max_tokens=4), RequestId(f"r{n}"), "t", lambda out: None)
@@ -274,3 +275,24 @@ def test_a_heartbeat_with_malformed_counts_is_refused():
     assert core.refused["malformed_heartbeat"] == 8 and core.workers[b"D"].health == {}
     core.on_message(b"D", control.Heartbeat(worker=b"D".hex(), tenants={"a": good}))
     assert core.workers[b"D"].health["tenants"] == {"a": good}
+    # numbers placement divides and /metrics exports: beyond the pool, beyond a float, or missing fields (each
+    # made every route raise OverflowError, or every scrape a KeyError)
+    pages = core.workers[b"D"].pool_pages
+    stats = {
+        f: 0
+        for f in ("num_leased", "num_quarantined", "num_held", "num_sealed", "num_cached", "num_evictions")
+    }
+    full = {"num_pages": pages, "num_free": pages, **stats}
+    for bad in (
+        {"pool": {**full, "num_pages": 10**400}},
+        {"pool": {**full, "num_pages": pages + 1, "num_free": pages + 1}},
+        {"pool": {**full, "num_leased": pages + 1}},
+        {"pool": {"num_pages": pages, "num_free": pages}},
+        {"num_waiting": 10**400},
+        {"refused": {f"r{i}": 1 for i in range(65)}},
+        {"tenants": {"a": {**good, "pages": 10**400}}},
+    ):
+        core.on_message(b"D", control.Heartbeat(worker=b"D".hex(), **bad))
+    assert core.refused["malformed_heartbeat"] == 15
+    core.on_message(b"D", control.Heartbeat(worker=b"D".hex(), pool=full, num_waiting=3))
+    assert core.workers[b"D"].health["pool"] == full and core.workers[b"D"].load() == 3 / 64

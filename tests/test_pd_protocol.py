@@ -324,3 +324,27 @@ def simulate(seed: int, num_transfers: int, pool_pages: int, p_drop: float, p_du
 @given(st.integers(0, 2**32), st.sampled_from([0.0, 0.05, 0.3]), st.sampled_from([0.0, 0.2]))
 def test_lossy_network_never_breaks_the_invariants(seed, p_drop, p_dup):
     simulate(seed, num_transfers=12, pool_pages=10, p_drop=p_drop, p_dup=p_dup)
+
+
+@pytest.mark.parametrize(
+    "frames",
+    [
+        [b"Z", b'{"version":1,"transfer_id":1,"num_pages":1,"digest":"00","first_token":1,'
+               b'"first_logprobs":[' + b"9" * 400 + b",[]]}"],  # beyond a float: OverflowError
+        [b"Z", b'{"version":1,"transfer_id":1,"num_pages":1,"digest":"00","first_token":1,'
+               b'"first_logprobs":[NaN,[]]}'],  # json takes NaN; the client's JSON would not
+        [b"T", b'{"version":1,"transfer_id":1,"request_id":"r","page_ids":[1,2],"lease_ids":[5],"layout":"l"}'],
+        [b"T", b'{"version":1,"transfer_id":1,"request_id":"r","page_ids":[4294967296],"lease_ids":[5],'
+               b'"layout":"l"}'],  # a page id the 32-bit frame header cannot carry
+        [b"T", b'{"version":1,"transfer_id":1,"request_id":"r","page_ids":[1],"lease_ids":[' + b"1" * 30 + b'],'
+               b'"layout":"l"}'],
+        [b"A", b'{"version":1,"transfer_id":' + b"7" * 30 + b',"index":0}'],
+    ],
+)  # fmt: skip
+def test_a_peers_data_frame_out_of_range_is_a_wire_error(frames):
+    """Every malformed data-plane message is a WireError (the worker drops and counts it); before, these raised
+    OverflowError, IndexError or struct.error further on, which ended the worker's process."""
+    from kvfence.pd import wire
+
+    with pytest.raises(wire.WireError):
+        wire.decode(frames)

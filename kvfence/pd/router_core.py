@@ -18,12 +18,11 @@ from __future__ import annotations
 import collections
 import itertools
 import logging
-import math
 import os
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from kvfence.engine.admission import Limits, admit
@@ -32,6 +31,7 @@ from kvfence.engine.output import RequestOutput
 from kvfence.engine.request import SamplingParams
 from kvfence.faults import Faults
 from kvfence.ids import RequestId
+from kvfence.kv.pool import PoolStats
 from kvfence.pd import control
 from kvfence.pd.control import ControlMessage
 from kvfence.pd.messages import TransferId
@@ -133,13 +133,32 @@ def _fingerprint_problem(fp: Mapping[str, Any]) -> str | None:
     return None
 
 
-def _counts_ok(pool: Mapping[str, Any] | None) -> bool:
-    """A heartbeat's pool page counts: every value a non-negative integer, with the pool size and free count."""
+MAX_COUNT = 1 << 53  # a heartbeat's counts: exact as floats (placement divides them, /metrics exports them)
+POOL_FIELDS = frozenset(f.name for f in fields(PoolStats))
+MAX_REFUSED_REASONS = 64  # a worker's refusal reasons become /metrics labels: bounded
+
+
+def _count_ok(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and 0 <= v < MAX_COUNT
+
+
+def _counts_ok(pool: Mapping[str, Any] | None, pool_pages: int) -> bool:
+    """A heartbeat's pool page counts: PoolStats' fields, each a count, the pool the size the worker registered
+    and every page count within it (the lifetime eviction count aside)."""
     if pool is None:
         return True
-    if "num_pages" not in pool or "num_free" not in pool:
+    if set(pool) != POOL_FIELDS or not all(_count_ok(v) for v in pool.values()):
         return False
-    return all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in pool.values())
+    return pool["num_pages"] == pool_pages and all(
+        pool[k] <= pool_pages for k in POOL_FIELDS - {"num_evictions"}
+    )
+
+
+def _refused_ok(refused: Mapping[str, Any] | None) -> bool:
+    return refused is None or (
+        len(refused) <= MAX_REFUSED_REASONS
+        and all(isinstance(k, str) and 0 < len(k) <= 64 and _count_ok(v) for k, v in refused.items())
+    )
 
 
 TENANT_FIELDS = frozenset({"pages", "running", "waiting", "virtual_tokens"})
@@ -155,7 +174,7 @@ def _tenants_ok(tenants: Mapping[str, Any] | None) -> bool:
         isinstance(numbers, dict)
         and set(numbers) == TENANT_FIELDS
         and all(
-            isinstance(v, int | float) and not isinstance(v, bool) and 0 <= v < math.inf
+            isinstance(v, int | float) and not isinstance(v, bool) and 0 <= v < MAX_COUNT
             for v in numbers.values()
         )
         for numbers in tenants.values()
@@ -444,10 +463,11 @@ class RouterCore:
         if worker.principal != principal:
             return self.refuse("heartbeat_for_another_worker", msg)
         if (
-            not _counts_ok(msg.pool)
+            not _counts_ok(msg.pool, worker.pool_pages)
             or not _tenants_ok(msg.tenants)
+            or not _refused_ok(msg.refused)
             or not all(
-                v is None or (isinstance(v, int) and not isinstance(v, bool) and v >= 0)
+                v is None or _count_ok(v)
                 for v in (msg.pool_free, msg.num_waiting, msg.num_running, msg.integrity_failures)
             )
         ):

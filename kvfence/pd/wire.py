@@ -11,6 +11,7 @@ and the receiver drops the message and counts it.
 from __future__ import annotations
 
 import json
+import math
 import struct
 from dataclasses import asdict
 from typing import Any
@@ -80,27 +81,30 @@ def _check_version(version: object) -> None:
 def _build(cls: type, f: dict[str, Any]) -> Message:
     try:
         if cls is Ticket:
-            return Ticket(
+            ticket = Ticket(
                 TransferId(_int(f["transfer_id"])),
                 RequestId(_str(f["request_id"])),
-                tuple(PageId(_int(p)) for p in f["page_ids"]),
+                tuple(PageId(_int(p, 32)) for p in f["page_ids"]),  # page frames carry them in 32 bits
                 tuple(LeaseId(_int(x)) for x in f["lease_ids"]),
                 _str(f["layout"]),
             )
+            if len(ticket.page_ids) != len(ticket.lease_ids):
+                raise WireError("a ticket needs one lease per page")
+            return ticket
         if cls is FrameAck:
-            return FrameAck(TransferId(_int(f["transfer_id"])), _int(f["index"]))
+            return FrameAck(TransferId(_int(f["transfer_id"])), _int(f["index"], 32))
         if cls is FinalFrame:
             return FinalFrame(
                 TransferId(_int(f["transfer_id"])),
-                _int(f["num_pages"]),
+                _int(f["num_pages"], 32),
                 bytes.fromhex(_str(f["digest"])),
-                _int(f["first_token"]),
+                _int(f["first_token"], 32),
                 _logprobs(f.get("first_logprobs")),
             )
         if cls is Abort:
             return Abort(TransferId(_int(f["transfer_id"])), _str(f["reason"]))
         return AbortAck(TransferId(_int(f["transfer_id"])))
-    except (KeyError, TypeError, ValueError) as exc:
+    except (KeyError, TypeError, ValueError, OverflowError) as exc:
         raise WireError(f"malformed {cls.__name__}: {exc}") from exc
 
 
@@ -115,14 +119,22 @@ def _logprobs(v: object) -> tuple[float, tuple[tuple[int, float], ...]] | None:
 
 
 def _float(v: object) -> float:
+    """A finite number (json takes NaN, Infinity and 400-digit integers; a logprob is none of them)."""
     if not isinstance(v, int | float) or isinstance(v, bool):
         raise WireError(f"expected a number, got {v!r}")
-    return float(v)
+    try:
+        x = float(v)
+    except OverflowError as exc:
+        raise WireError("a number beyond a float's range") from exc
+    if not math.isfinite(x):
+        raise WireError(f"expected a finite number, got {x}")
+    return x
 
 
-def _int(v: object) -> int:
-    if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-        raise WireError(f"expected a non-negative integer, got {v!r}")
+def _int(v: object, bits: int = 64) -> int:
+    """A non-negative integer that fits the `bits` the frames carry it in."""
+    if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v < 1 << bits:
+        raise WireError(f"expected a non-negative {bits}-bit integer, got {str(v)[:40]}")
     return v
 
 
