@@ -364,7 +364,8 @@ def test_pd_routers_send_tenant_shares_and_refuse_workers_that_would_not_apply_t
     def register(identity: bytes, role: str, **fp: Any) -> control.ControlMessage:
         base = {"layout": "l", "vocab_size": 10, "context_length": 64, "pool_pages": 64, "page_size": 4,
                 "scheduling_policy": "vtc"}  # fmt: skip
-        core.on_message(identity, control.Register(role, {**base, **fp}))
+        addr = "tcp://127.0.0.1:9" if role == "prefill" else ""
+        core.on_message(identity, control.Register(role, {**base, **fp}, addr))
         return sent[-1][1]
 
     answer = register(b"P", "prefill")

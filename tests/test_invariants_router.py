@@ -33,7 +33,8 @@ def core_with_outbox() -> tuple[RouterCore, list[tuple[bytes, str]]]:
 
 
 def register(core: RouterCore, identity: bytes, role: str, fp: dict[str, Any]) -> None:
-    core.on_message(identity, control.Register(role=role, fingerprint=fp))
+    addr = "tcp://127.0.0.1:9" if role == "prefill" else ""  # a prefill's data socket
+    core.on_message(identity, control.Register(role=role, fingerprint=fp, data_addr=addr))
 
 
 def test_a_worker_with_another_kv_layout_is_refused():
@@ -42,6 +43,17 @@ def test_a_worker_with_another_kv_layout_is_refused():
     register(core, b"D", "decode", fingerprint(layout="other"))
     assert set(core.workers) == {b"P"}
     assert sent == [(b"P", "registered"), (b"D", "refused")]
+
+
+def test_a_prefill_whose_data_address_is_not_tcp_host_port_is_refused():
+    """Decode workers connect to what a prefill registers: "garbage" (or nothing) made zmq raise in the decode
+    worker's loop. Refused at registration, counted, nothing registered."""
+    core, sent = core_with_outbox()
+    for addr in ("garbage", "", "tcp://h", "ipc:///tmp/x", "tcp://a b:1", "tcp://h:1\n"):
+        core.on_message(b"P", control.Register("prefill", fingerprint(), addr))
+    assert core.workers == {} and core.refused["malformed_data_addr"] == 6
+    core.on_message(b"P", control.Register("prefill", fingerprint(), "tcp://[::1]:7001"))
+    assert set(core.workers) == {b"P"} and sent[-1] == (b"P", "registered")
 
 
 def test_the_router_admits_against_the_smallest_context_and_places_only_on_pools_that_hold_it():

@@ -117,7 +117,9 @@ def routed_core() -> tuple[RouterCore, list[tuple[bytes, ControlMessage]]]:
     core = RouterCore(tid_prefix=1)
     sent: list[tuple[bytes, ControlMessage]] = []
     core._send = lambda identity, message: sent.append((identity, message))  # type: ignore[method-assign]
-    core.on_frame(b"P", control.encode(control.Register("prefill", FP, "tcp://p", 11, {"pd": {"window": 2}})))
+    core.on_frame(
+        b"P", control.encode(control.Register("prefill", FP, "tcp://p:1", 11, {"pd": {"window": 2}}))
+    )
     core.on_frame(b"D", control.encode(control.Register("decode", FP, pid=12)))
     core.route([1, 2, 3], SamplingParams(max_tokens=2), RequestId("r"), "t", lambda out: None)
     return core, sent

@@ -36,6 +36,7 @@ REGISTRATION_REFUSALS = (
     "duplicate_registration",
     "fingerprint_mismatch",
     "malformed_fingerprint",
+    "malformed_data_addr",
     "tenant_shares",
 )
 

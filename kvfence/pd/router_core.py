@@ -19,6 +19,7 @@ import collections
 import itertools
 import logging
 import os
+import re
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping
@@ -133,6 +134,9 @@ def _fingerprint_problem(fp: Mapping[str, Any]) -> str | None:
     return None
 
 
+DATA_ADDR = re.compile(
+    r"tcp://([A-Za-z0-9.-]{1,253}|\[[0-9A-Fa-f:.]{2,45}\]):[0-9]{1,5}"
+)  # a prefill's data socket
 MAX_COUNT = 1 << 53  # a heartbeat's counts: exact as floats (placement divides them, /metrics exports them)
 POOL_FIELDS = frozenset(f.name for f in fields(PoolStats))
 MAX_REFUSED_REASONS = 64  # a worker's refusal reasons become /metrics labels: bounded
@@ -533,6 +537,12 @@ class RouterCore:
         if problem := _fingerprint_problem(fp):  # a peer's bad input: refused, nothing registered
             self.refuse("malformed_fingerprint", msg)
             self._send(identity, control.Refused(f"fingerprint: {problem}"))
+            return
+        if msg.role == "prefill" and not DATA_ADDR.fullmatch(msg.data_addr):  # decode workers connect to it
+            self.refuse("malformed_data_addr", msg)
+            self._send(
+                identity, control.Refused(f"data_addr must be tcp://HOST:PORT, got {msg.data_addr[:80]!r}")
+            )
             return
         if problem := self._shares_problem(
             msg.role, fp

@@ -427,7 +427,11 @@ class DecodeWorker(Worker):
             sock.setsockopt(zmq.LINGER, 0)
             if self.keys is not None:
                 keys.connect_curve(sock, self.keys.own, principal)
-            sock.connect(data_addr)
+            try:
+                sock.connect(data_addr)
+            except zmq.ZMQError as exc:  # the router checks the address's shape; zmq may still refuse it
+                sock.close(0)
+                raise ValueError(f"cannot connect to the prefill worker at {data_addr!r}: {exc}") from exc
             self.poller.register(sock, zmq.POLLIN)
             self.peers[(data_addr, principal)] = sock
         return sock

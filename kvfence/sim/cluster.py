@@ -46,7 +46,7 @@ from kvfence.pd import control, wire
 from kvfence.pd.local import layout_fingerprint
 from kvfence.pd.messages import PageFrame, Ticket
 from kvfence.pd.router_core import NoWorkers
-from kvfence.sim.nodes import ROUTER, VOCAB, Crash, SimRouter, SimWorker, make_engine
+from kvfence.sim.nodes import ROUTER, VOCAB, Crash, SimRouter, SimWorker, make_engine, node_of
 from kvfence.sim.runner import expected_token
 from kvfence.sim.scenario import BOOKKEEPING_KNOBS, Client, SimConfig
 from kvfence.sim.trace_check import TraceChecker
@@ -293,7 +293,7 @@ class Simulation:
         pages = engine.pool.pages_for(n)
         ticket = Ticket(expect.transfer_id, rid, tuple(PageId(i) for i in range(pages)),
                         tuple(LeaseId(1) for _ in range(pages)), layout_fingerprint(engine))  # fmt: skip
-        self.send_data(rogue, expect.prefill_addr, wire.encode(ticket))
+        self.send_data(rogue, node_of(expect.prefill_addr), wire.encode(ticket))
 
     def _step(self, name: str) -> SimWorker | None:
         worker = self.workers[name]

@@ -107,7 +107,7 @@ class SimWorker:
         self.sim.send_data(self.name, str(peer), wire.encode(message))
 
     def connect(self, data_addr: str, principal: str = "") -> Any:
-        return data_addr
+        return node_of(data_addr)
 
     def principal(self, peer: Any) -> str:
         return str(peer)  # the simulated network names every sender truthfully (as CURVE would)
@@ -124,7 +124,7 @@ class SimWorker:
 
     def register(self) -> None:
         fp = fingerprint(self.engine)
-        self.send_control(control.Register(self.kind, fp, data_addr=self.name, pid=0))
+        self.send_control(control.Register(self.kind, fp, data_addr=f"tcp://{self.name}:7000", pid=0))
 
 
 class SimRouter(RouterCore):
@@ -135,3 +135,8 @@ class SimRouter(RouterCore):
 
     def _send(self, identity: bytes, message: ControlMessage) -> None:
         self.sim.send_control(ROUTER, identity.decode(), control.encode(message))
+
+
+def node_of(data_addr: str) -> str:
+    """The simulated node a data address names (tcp://NAME:PORT, as a real prefill registers it)."""
+    return data_addr.removeprefix("tcp://").rsplit(":", 1)[0]
