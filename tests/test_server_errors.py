@@ -100,6 +100,16 @@ BASE = {
     C: {"model": MODEL, "prompt": "hi", "max_tokens": 2},
     CHAT: {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
 }
+
+
+def deep(levels: int) -> dict:
+    """A JSON object nested `levels` deep (json.dumps raises RecursionError near 1,000)."""
+    value: dict = {"type": "string"}
+    for _ in range(levels):
+        value = {"type": "object", "properties": {"a": value}}
+    return value
+
+
 BAD_PARAMS = [
     (C, {"temperature": "hot"}, "temperature"),
     (C, {"temperature": 3}, "temperature"),
@@ -152,6 +162,18 @@ BAD_PARAMS = [
     (C, {"stream_options": {"include_usage": True}, "stream": False}, "stream_options"),
     (CHAT, {"max_tokens": 5, "max_completion_tokens": 7}, "max_tokens"),  # one would be dropped
     (CHAT, {"parallel_tool_calls": False}, "parallel_tool_calls"),  # without tools it would do nothing
+    # nested past what json.dumps or json.loads recurse through: a RecursionError was a 500
+    (C, {"structured_outputs": {"json": "[" * 100_000 + "]" * 100_000}}, "structured_outputs"),
+    (
+        CHAT,
+        {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": deep(40)}}},
+        "response_format",
+    ),
+    (
+        CHAT,
+        {"tools": [{"type": "function", "function": {"name": "f", "parameters": deep(40)}}]},
+        "tools[0].function.parameters",
+    ),
     (C, {"logit_bias": {"\u00b2": 1}}, "logit_bias"),  # a digit to str.isdigit, not to int()
     (C, {"logit_bias": {"9" * 5000: 1}}, "logit_bias"),  # beyond int()'s digit limit
 ]

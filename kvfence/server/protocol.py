@@ -134,6 +134,23 @@ class ChatMessage(_Strict):
         return out
 
 
+MAX_SCHEMA_DEPTH = 64  # nesting of a JSON schema or grammar spec (json.dumps recurses: ~1,000 levels raise)
+
+
+def nested_too_deep(value: Any, limit: int = MAX_SCHEMA_DEPTH) -> bool:
+    """Whether `value` (JSON: dicts, lists, scalars) nests more than `limit` levels; without recursion."""
+    level: list[Any] = [value]
+    for _ in range(limit + 1):
+        level = [
+            c
+            for v in level
+            for c in (v.values() if isinstance(v, dict) else v if isinstance(v, list) else ())
+        ]
+        if not level:
+            return False
+    return True
+
+
 class FunctionDefinition(_Strict):
     name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
     description: str | None = Field(None, max_length=1 << 16)
@@ -147,6 +164,8 @@ class FunctionDefinition(_Strict):
             raise ValueError(
                 "parameters must be the JSON schema of an object (the arguments are a JSON object)"
             )
+        if nested_too_deep(v):
+            raise ValueError(f"parameters nest more than {MAX_SCHEMA_DEPTH} levels")
         return v
 
 
@@ -197,6 +216,9 @@ class _Common(_Strict):
         free text. Raises a 400 naming the parameter for a malformed request or a grammar that cannot be built;
         whether it compiles against the tokenizer is checked next (`Grammars.check`), still before any page."""
         rf, so = self.response_format, self.structured_outputs
+        for param, value in (("response_format", rf), ("structured_outputs", so)):
+            if nested_too_deep(value):
+                raise invalid(param, f"{param} nests more than {MAX_SCHEMA_DEPTH} levels")
         if rf is not None and rf.get("type") != "text" and so is not None:
             raise invalid("structured_outputs", "give response_format or structured_outputs, not both")
         try:
@@ -210,7 +232,12 @@ class _Common(_Strict):
                 kind = {"json": "json_schema", "grammar": "lark"}.get(given[0], given[0])
                 spec = so[given[0]]
                 if kind == "json_schema" and isinstance(spec, str):
-                    spec = json.loads(spec)
+                    try:
+                        spec = json.loads(spec)
+                    except RecursionError as exc:
+                        raise ValueError("structured_outputs.json nests too deeply") from exc
+                    if nested_too_deep(spec):
+                        raise ValueError(f"structured_outputs.json nests more than {MAX_SCHEMA_DEPTH} levels")
                 if kind == "choice" and (not isinstance(spec, list) or not spec or
                                          not all(isinstance(c, str) and c for c in spec)):  # fmt: skip
                     raise ValueError(
