@@ -198,3 +198,29 @@ def test_a_worker_role_counts_and_drops_what_it_cannot_use(role_class: type[Pref
         body.pop("prefill_addr", None)
     role.on_control_frame(control.encode(own(**body)))  # type: ignore[arg-type]
     assert engine.has_unfinished()  # its own message goes through the same table
+
+
+def test_a_decode_worker_takes_page_frames_only_from_the_prefill_it_sent_the_ticket_to():
+    """I10 on the data plane: another prefill this decode worker is connected to cannot write or stamp the pages
+    of a transfer it was not named for (transfer, page and lease ids are sequential, so guessable); its frames
+    are dropped and counted, and the named prefill's frames still land."""
+    from kvfence.pd.messages import PageFrame, Ticket
+
+    cfg = SimConfig(seed=0)
+    engine, _ = make_engine(cfg, 24, Faults(), 1)
+    transport = FakeTransport()
+    role = DecodeRole(engine, transport, cfg.pd_options(), clock=lambda: 0.0)
+    body = {"request_id": "r", "transfer_id": 5, "prompt_ids": [3, 4, 5], "params": {"max_tokens": 2},
+            "prefill_addr": "tcp://p:1"}  # fmt: skip
+    role.on_control_frame(control.encode(control.Expect(**body)))  # type: ignore[arg-type]
+    role.on_tick()  # reserves the pages and sends the ticket to the named prefill
+    ((named, ticket),) = transport.data_sent
+    assert isinstance(ticket, Ticket) and named == "tcp://p:1"
+    payload = bytes(engine.runner.cache.page_bytes())
+    frame = PageFrame(ticket.transfer_id, 0, ticket.page_ids[0], ticket.lease_ids[0], payload)
+    role.on_message("tcp://q:1", frame)  # another prefill, with every id right
+    assert role.refused["frame_from_another_prefill"] == 1 and len(transport.data_sent) == 1
+    assert [f.num_written for f in role.rx.in_flight()] == [0]
+    role.on_message(named, frame)
+    assert [f.num_written for f in role.rx.in_flight()] == [1]  # and acknowledged to the named prefill
+    assert transport.data_sent[-1][0] == named

@@ -180,6 +180,10 @@ class DecodeRole(Role):
     def on_message(self, peer: Any, message: Message) -> None:
         tid = message.transfer_id
         if isinstance(message, PageFrame):
+            entry = self.incoming.get(tid)
+            if entry is not None and entry.peer != peer:  # I10: pages only from the prefill the ticket went to
+                self.refused["frame_from_another_prefill"] += 1
+                return
             verdict = self.rx.on_frame(message)  # validate + write + stamp, on this one thread (I4)
             if isinstance(verdict, Failed):  # the write failed: revoked; tell prefill to stop
                 self.transport.send_data(peer, Abort(tid, "write_failed"))
