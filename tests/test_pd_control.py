@@ -224,3 +224,21 @@ def test_a_decode_worker_takes_page_frames_only_from_the_prefill_it_sent_the_tic
     role.on_message(named, frame)
     assert [f.num_written for f in role.rx.in_flight()] == [1]  # and acknowledged to the named prefill
     assert transport.data_sent[-1][0] == named
+
+
+def test_a_prefill_holds_a_bounded_number_of_tickets_for_requests_it_has_not_seen(monkeypatch):
+    """A ticket may come before the router's message for its request and waits, unverified; a peer that sends
+    tickets for made-up requests fills no more than MAX_EARLY_TICKETS (the rest are refused and counted)."""
+    from kvfence.ids import LeaseId, PageId
+    from kvfence.pd import prefill_role
+    from kvfence.pd.messages import Ticket, TransferId
+
+    monkeypatch.setattr(prefill_role, "MAX_EARLY_TICKETS", 3)
+    cfg = SimConfig(seed=0)
+    engine, _ = make_engine(cfg, 24, Faults(), 1)
+    role = PrefillRole(engine, FakeTransport(), cfg.pd_options(), clock=lambda: 0.0)
+    for i in range(5):
+        ticket = Ticket(TransferId(100 + i), RequestId(f"made-up-{i}"), (PageId(1),), (LeaseId(1),), "l")
+        role.on_message("tcp://d:1", ticket)
+    assert role.refused["too_many_early_tickets"] == 2
+    assert sum(len(s.unverified) for s in role.requests.values()) == 3

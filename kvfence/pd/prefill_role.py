@@ -28,6 +28,7 @@ from kvfence.pd.roles import Clock, Role, Routed, Transport
 from kvfence.pd.sender import Action, ReleaseLocal, SendAbort, SendFinal, SendFrames, TransferSender
 
 log = logging.getLogger("kvfence.pd.worker")
+MAX_EARLY_TICKETS = 1024  # tickets held for requests the router has not yet sent here, all together
 TOMBSTONES = 4096  # aborted request ids a prefill remembers, so a late ticket for one is refused
 
 
@@ -173,6 +174,9 @@ class PrefillRole(Role):
         elif state is not None and state.out is not None:  # a duplicate never replaces a running sender
             log.warning("ignored a second ticket for request %s (transfer %s)", rid, ticket.transfer_id)
         elif state is None or state.decode_principal is None:  # before admission: checked once it comes
+            if sum(len(s.unverified) for s in self.requests.values()) >= MAX_EARLY_TICKETS:
+                self.refused["too_many_early_tickets"] += 1  # a peer's flood of tickets for unknown requests
+                return
             self._state(rid).unverified.append(_Outgoing(peer, ticket, self.clock()))
         elif self._ticket_allowed(state, peer, ticket):
             state.out = _Outgoing(peer, ticket, self.clock())
