@@ -120,6 +120,15 @@ def test_the_openai_clients_parse_returns_the_pydantic_object(server):
         ),
         ({"response_format": {"type": "json_object"}, "ignore_eos": True}, "ignore_eos"),
         ({"structured_outputs": {"choice": ["yes", "no"]}, "min_tokens": 6}, "min_tokens"),
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": {"type": "object"}, "description": "d"},
+                }
+            },
+            "response_format",
+        ),
     ],
 )
 def test_a_structured_output_that_cannot_be_built_is_a_400_before_any_page(server, extra, param):

@@ -433,10 +433,13 @@ def _response_format_grammar(rf: dict[str, Any]) -> str:
         return grammar_text("json_schema", {"type": "object"})
     if kind == "json_schema" and set(rf) == {"type", "json_schema"} and isinstance(rf["json_schema"], dict):
         spec = rf["json_schema"]
-        if set(spec) - {"name", "schema", "strict", "description"}:
+        if "description" in spec:  # OpenAI shows it to the model; kvfence's grammar enforces the schema alone
             raise ValueError(
-                f"response_format.json_schema takes name, schema, strict and description, got {sorted(spec)}"
+                "response_format.json_schema.description would not reach the model here: describe the output in "
+                "the messages (the schema itself is enforced)"
             )
+        if set(spec) - {"name", "schema", "strict"}:
+            raise ValueError(f"response_format.json_schema takes name, schema and strict, got {sorted(spec)}")
         if not isinstance(spec.get("name"), str) or not isinstance(spec.get("schema"), dict):
             raise ValueError("response_format.json_schema needs a name (string) and a schema (object)")
         return grammar_text("json_schema", spec["schema"])
