@@ -62,7 +62,7 @@ def test_the_router_takes_only_a_first_token_from_a_prefill_worker():
         "page_size": 4,
         "scheduling_policy": "vtc",
     }
-    core.on_message(b"P", control.Register("prefill", fp))
+    core.on_message(b"P", control.Register("prefill", fp, "tcp://127.0.0.1:9"))
     core.on_message(b"D", control.Register("decode", fp))
     seen: list[RequestOutput] = []
     core.route([1, 2, 3], SamplingParams(max_tokens=3), RequestId("r"), "t", seen.append)
