@@ -16,6 +16,8 @@ counted by reason (`refused`), and changes nothing.
 from __future__ import annotations
 
 import collections
+import contextlib
+import ipaddress
 import itertools
 import logging
 import os
@@ -135,8 +137,23 @@ def _fingerprint_problem(fp: Mapping[str, Any]) -> str | None:
 
 
 DATA_ADDR = re.compile(
-    r"tcp://([A-Za-z0-9.-]{1,253}|\[[0-9A-Fa-f:.]{2,45}\]):[0-9]{1,5}"
+    r"tcp://([A-Za-z0-9._-]{1,253}|\[[0-9A-Fa-f:.]{2,45}\]):[0-9]{1,5}"
 )  # a prefill's data socket
+
+
+def _data_addr_problem(addr: str) -> str | None:
+    """Why decode workers could not connect to a prefill's registered data address, or None."""
+    if not (m := DATA_ADDR.fullmatch(addr)):
+        return f"data_addr must be tcp://HOST:PORT, got {addr[:80]!r}"
+    with contextlib.suppress(ValueError):
+        if ipaddress.ip_address(m.group(1).strip("[]")).is_unspecified:
+            return (
+                f"data_addr {addr} is where the prefill listens, not an address decode workers can reach: give "
+                "--data this host's address"
+            )
+    return None
+
+
 MAX_COUNT = 1 << 53  # a heartbeat's counts: exact as floats (placement divides them, /metrics exports them)
 POOL_FIELDS = frozenset(f.name for f in fields(PoolStats))
 MAX_REFUSED_REASONS = 64  # a worker's refusal reasons become /metrics labels: bounded
@@ -538,11 +555,9 @@ class RouterCore:
             self.refuse("malformed_fingerprint", msg)
             self._send(identity, control.Refused(f"fingerprint: {problem}"))
             return
-        if msg.role == "prefill" and not DATA_ADDR.fullmatch(msg.data_addr):  # decode workers connect to it
+        if msg.role == "prefill" and (problem := _data_addr_problem(msg.data_addr)):  # decode workers connect
             self.refuse("malformed_data_addr", msg)
-            self._send(
-                identity, control.Refused(f"data_addr must be tcp://HOST:PORT, got {msg.data_addr[:80]!r}")
-            )
+            self._send(identity, control.Refused(problem))
             return
         if problem := self._shares_problem(
             msg.role, fp
