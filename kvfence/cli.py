@@ -43,26 +43,11 @@ def run_configured(args: argparse.Namespace) -> int:
 
 
 def _serve(config: tree.Config, args: argparse.Namespace) -> int:
-    if config.pd.mode == "colocated":  # the cluster's options (also the router's and workers': checked here)
-        pd, default = config.pd, tree.PDOptions()
-        given = [
-            flag
-            for flag, set_ in {
-                "--placement": pd.placement is not None,
-                "--no-share-cores": not pd.share_cores,
-                "--transfer-window": pd.transfer_window != default.transfer_window,
-                "--transfer-timeout": pd.transfer_timeout != default.transfer_timeout,
-                "--prefill-timeout": pd.prefill_timeout != default.prefill_timeout,
-                "--insecure-cluster": pd.insecure_cluster,
-                "--registration-timeout": pd.registration_timeout != default.registration_timeout,
-            }.items()
-            if set_
-        ]
-        if given:
-            verb = "apply" if len(given) > 1 else "applies"
-            print(f"kvfence serve: {', '.join(given)} only {verb} to --mode pd (this server is colocated)",
-                  file=sys.stderr)  # fmt: skip
-            return 2
+    if config.pd.mode == "colocated" and (given := config.pd.cluster_flags_given()):
+        verb = "apply" if len(given) > 1 else "applies"
+        print(f"kvfence serve: {', '.join(given)} only {verb} to --mode pd (this server is colocated)",
+              file=sys.stderr)  # fmt: skip
+        return 2
     sharing = config.pd.mode == "pd" and config.pd.ray is None and config.pd.share_cores  # Ray actors: never
     if sharing and config.engine.decode_threads is not None:
         print("kvfence serve: --decode-threads does nothing while the workers share cores (the default in --mode "

@@ -409,19 +409,28 @@ class PDOptions:
                 self.restart_window is None,
                 "--restart-window is for workers on this host; Ray counts --max-restarts over an actor's life",
             )
-        if self.mode == "colocated":  # serve's PD flags do nothing colocated: refused, not ignored
-            pd_only = {
-                "--prefill-kv-pages": self.prefill_kv_pages is not None,
-                "--decode-kv-pages": self.decode_kv_pages is not None,
-                "--prefill-workers": self.prefill_workers != 1,
-                "--decode-workers": self.decode_workers != 1,
-                "--ray": self.ray is not None,
-                "--max-restarts": self.max_restarts != 5,
-                "--restart-window": self.restart_window is not None,
-            }
-            given = [flag for flag, set_ in pd_only.items() if set_]
-            verb = "apply" if len(given) > 1 else "applies"
-            check(not given, f"{', '.join(given)} only {verb} to --mode pd (this server is colocated)")
+
+    def cluster_flags_given(self) -> list[str]:
+        """The cluster's flags set away from their defaults: a colocated `serve` refuses them (they would do
+        nothing there). Checked by `serve` itself: the router and the workers take some of them, in no mode."""
+        default = PDOptions()
+        given = {
+            "--prefill-kv-pages": self.prefill_kv_pages is not None,
+            "--decode-kv-pages": self.decode_kv_pages is not None,
+            "--prefill-workers": self.prefill_workers != default.prefill_workers,
+            "--decode-workers": self.decode_workers != default.decode_workers,
+            "--ray": self.ray is not None,
+            "--max-restarts": self.max_restarts != default.max_restarts,
+            "--restart-window": self.restart_window is not None,
+            "--placement": self.placement is not None,
+            "--no-share-cores": not self.share_cores,
+            "--transfer-window": self.transfer_window != default.transfer_window,
+            "--transfer-timeout": self.transfer_timeout != default.transfer_timeout,
+            "--prefill-timeout": self.prefill_timeout != default.prefill_timeout,
+            "--insecure-cluster": self.insecure_cluster,
+            "--registration-timeout": self.registration_timeout != default.registration_timeout,
+        }
+        return [flag for flag, set_ in given.items() if set_]
 
 
 @dataclass(frozen=True)

@@ -210,7 +210,7 @@ def test_a_messages_name_is_rendered_by_a_template_that_uses_it_and_refused_by_o
     from kvfence.model.tokenizer import Tokenizer
     from kvfence.server.errors import OpenAIError
     from kvfence.server.serving import render_chat
-    from kvfence.server.tools import ToolFormat
+    from kvfence.server.tools import Function, ToolFormat
 
     tok = tiny_model.tokenizer
     named = Tokenizer(tok._hf, bos_token_id=tok.bos_token_id, eos_token_ids=tok.eos_token_ids,
@@ -220,6 +220,10 @@ def test_a_messages_name_is_rendered_by_a_template_that_uses_it_and_refused_by_o
     assert "<|im_start|>user (alice)" in text and text.count("(") == 1
     with pytest.raises(OpenAIError, match=r"messages\[0\]\.name"):
         render_chat(tok, ToolFormat.for_template(tok.chat_template), messages, [])
+    # with tools, kvfence's own system prompt goes first: the index is still the client's
+    tool = Function("f", None, {"type": "object"})
+    with pytest.raises(OpenAIError, match=r"messages\[0\]\.name"):
+        render_chat(tok, ToolFormat.for_template(tok.chat_template), messages, [tool])
 
     before = server.engine.engine.pool.num_free
     chat = [{"role": "system", "content": "s"}, {"role": "user", "content": "hi", "name": "bob"}]

@@ -174,7 +174,9 @@ def test_packed_bfloat16_linears_equal_plain_ones(tmp_path, monkeypatch, tie, bi
     supported = PackedLinear.supported(torch.bfloat16, "cpu")
     cap = os.environ.get("ONEDNN_MAX_CPU_ISA", "").upper()
     below = cap.startswith(("SSE", "AVX2", "AVX_")) or cap == "AVX" or "avx512bw" not in cpu_flags()
-    assert supported or below, "the pinned CPU torch build has oneDNN and this CPU AVX512-BW: packing must run"
+    assert supported or below, (
+        "the pinned CPU torch build has oneDNN and this CPU AVX512-BW: packing must run"
+    )
     arch = "qwen2" if bias else "llama"
     loaded = load_model(write_tiny_hf_dir(tmp_path / arch, arch=arch, seed=2, tie=tie, bias=bias))
     ids = torch.randint(

@@ -181,9 +181,8 @@ class DecodeRole(Role):
         tid = message.transfer_id
         if isinstance(message, PageFrame):
             entry = self.incoming.get(tid)
-            if (
-                entry is not None and entry.peer != peer
-            ):  # I10: pages only from the prefill the ticket went to
+            # I10: pages only from the prefill the ticket went to
+            if entry is not None and entry.peer != peer:
                 self.refused["frame_from_another_prefill"] += 1
                 return
             verdict = self.rx.on_frame(message)  # validate + write + stamp, on this one thread (I4)

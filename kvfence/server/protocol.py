@@ -367,10 +367,14 @@ class ChatCompletionRequest(_Common):
     parallel_tool_calls: bool = True
 
     @model_validator(mode="after")
-    def _check_tools(self) -> ChatCompletionRequest:
+    def _one_max_tokens(self) -> ChatCompletionRequest:
         both = self.max_tokens is not None and self.max_completion_tokens is not None
         if both and self.max_tokens != self.max_completion_tokens:
             raise invalid("max_tokens", "max_tokens and max_completion_tokens differ: send one of them")
+        return self
+
+    @model_validator(mode="after")
+    def _check_tools(self) -> ChatCompletionRequest:
         names = [t.function.name for t in self.tools or ()]
         if len(set(names)) != len(names):
             raise OpenAIError(400, "tools: function names must be unique", param="tools")

@@ -119,7 +119,7 @@ def render_chat(
     rendered, extra = render_messages(messages, functions, fmt)
     try:
         text = tokenizer.apply_chat_template(rendered, add_generation_prompt=add_generation_prompt, **extra)
-        named = [i for i, m in enumerate(rendered) if "name" in m]
+        named = [i for i, m in enumerate(messages) if m.get("name") is not None]  # the client's indices
         if named:
             plain = [{k: v for k, v in m.items() if k != "name"} for m in rendered]
             if (
