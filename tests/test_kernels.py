@@ -62,6 +62,65 @@ def test_decode_attention_any_page_size(page_size):
     torch.testing.assert_close(out.float(), reference(q, kv, tables, ctx, 0.125), atol=1e-2, rtol=1e-2)
 
 
+LONG_LENS = [
+    230,
+    1023,
+    1024,
+    1025,
+    2047,
+    3,
+    2049,
+    1999,
+]  # one span, span edges, three spans, among short rows
+
+
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (14, 2, 64), (8, 2, 32), (6, 1, 48)])
+def test_decode_attention_of_long_rows_matches_float32(heads, kv_heads, head_dim):
+    """Rows longer than a span (1,024 tokens) are computed span by span and merged: the same result."""
+    q, kv, tables, ctx = random_case(heads, kv_heads, head_dim, LONG_LENS, num_pages=140, seed=4)
+    out = torch.empty(len(LONG_LENS), heads, head_dim, dtype=torch.bfloat16)
+    OPS.paged_decode_attention(out, q, kv, tables, ctx, head_dim**-0.5)
+    expected = reference(q, kv, tables, ctx, head_dim**-0.5)
+    torch.testing.assert_close(out.float(), expected, atol=1e-2, rtol=1e-2)
+
+
+def test_decode_attention_row_bits_do_not_depend_on_the_batch_or_the_threads():
+    """A row's output is the same bits alone, beside other rows (a long one's spans shared out differently
+    among the threads) and on one thread or two: what one tenant's row computes cannot tell what else ran."""
+    q, kv, tables, ctx = random_case(9, 3, 64, LONG_LENS, num_pages=140, seed=5)
+    together = torch.empty(len(LONG_LENS), 9, 64, dtype=torch.bfloat16)
+    OPS.paged_decode_attention(together, q, kv, tables, ctx, 0.125)
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            for row in range(len(LONG_LENS)):
+                alone = torch.empty(1, 9, 64, dtype=torch.bfloat16)
+                one = slice(row, row + 1)
+                OPS.paged_decode_attention(alone, q[one], kv, tables[one], ctx[one], 0.125)
+                assert torch.equal(alone[0], together[row]), (n, row)
+            again = torch.empty_like(together)
+            OPS.paged_decode_attention(again, q.flip(0), kv, tables.flip(0), ctx.flip(0), 0.125)
+            assert torch.equal(again.flip(0), together)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_a_nan_in_a_long_rows_span_reaches_that_row_only():
+    """A NaN in one span of a long row turns that row NaN through the merge; the other rows keep their bits."""
+    q, kv, tables, ctx = random_case(9, 3, 64, [40, 2100, 300], num_pages=420, seed=6)
+    tables = torch.randperm(420, generator=torch.Generator().manual_seed(6))[: tables.numel()].view_as(tables)
+    clean = torch.empty(3, 9, 64, dtype=torch.bfloat16)
+    OPS.paged_decode_attention(clean, q, kv, tables, ctx, 0.125)
+    poisoned = kv.clone()  # the rows' pages are disjoint here
+    page_size = kv.shape[2]
+    t = 1500  # row 1's second span
+    poisoned[1, int(tables[1, t // page_size]), t % page_size] = float("nan")
+    out = torch.empty_like(clean)
+    OPS.paged_decode_attention(out, q, poisoned, tables, ctx, 0.125)
+    assert torch.isnan(out[1]).all() and torch.equal(out[0], clean[0]) and torch.equal(out[2], clean[2])
+
+
 def test_reads_only_the_slots_of_its_block_table():
     """Everything but the slots below each row's context length, in its own pages, is NaN: the result is
     unchanged. One NaN inside a row's context changes that row, and only that row."""

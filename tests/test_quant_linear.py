@@ -368,10 +368,11 @@ class RecordingOps:
 @pytest.mark.parametrize("mode", ["decode", "all"])
 def test_each_step_size_takes_its_path(tmp_path, mode):
     """Up to FINE_MAX_ROWS rows: two int8 levels. Beyond: oneDNN on the bfloat16 weight (`decode`) or one level
-    (`all`); the output head, whose bfloat16 weight is gone in both, one level, with float32 logits. Without
+    (`all`); the output head, whose bfloat16 weight is gone in both, two levels up to HEAD_FINE_MAX_ROWS and one
+    beyond, with float32 logits. Without
     AVX512-VNNI and BF16 no step takes panels: the layers keep their blocks for `quant_linear`, and the head its
     bfloat16 weight for `linear_f32`."""
-    from kvfence.model.linears import FINE_MAX_ROWS
+    from kvfence.model.linears import FINE_MAX_ROWS, HEAD_FINE_MAX_ROWS
 
     _, loaded, model = tiny_quantized_model(tmp_path, mode)
     layer, head = model.model.layers[0].mlp.gate_up_proj, model.lm_head
@@ -382,14 +383,14 @@ def test_each_step_size_takes_its_path(tmp_path, mode):
     for module in (layer, head):
         module.kernels = RecordingOps(module.kernels)
     hidden = loaded.config.hidden_size
-    for rows in (1, FINE_MAX_ROWS, FINE_MAX_ROWS + 1, 30):
+    for rows in sorted({1, HEAD_FINE_MAX_ROWS, HEAD_FINE_MAX_ROWS + 1, FINE_MAX_ROWS, FINE_MAX_ROWS + 1, 30}):
         x = torch.randn(rows, hidden, generator=torch.Generator().manual_seed(rows)).bfloat16()
         for module in (layer, head):
             module.kernels.calls.clear()
             module(x)
         fine = rows <= FINE_MAX_ROWS
         assert layer.kernels.calls == ([(rows, 2)] if fine else [] if mode == "decode" else [(rows, 1)]), rows
-        assert head.kernels.calls == [(rows, 2 if fine else 1, "f32")], rows
+        assert head.kernels.calls == [(rows, 2 if rows <= HEAD_FINE_MAX_ROWS else 1, "f32")], rows
 
 
 @pytest.mark.parametrize("kind", ["Q4_1", "Q8_0"])

@@ -28,10 +28,15 @@ from kvfence.model.quant import QuantBlocks, QuantPanels
 T = TypeVar("T")
 
 # Rows up to which `panel_linear` quantizes activations in two int8 levels, finer than bfloat16: a step of so few
-# rows is bound by reading the weights, so the second level's multiplies are about free. Longer steps take oneDNN
-# on the bfloat16 weights, or with int8 "all" (`KernelOptions.int8`) one int8 level (llama.cpp's precision,
-# faster, coarser).
-FINE_MAX_ROWS = 8
+# rows is bound by reading the weights, so the second level's multiplies cost less than reading bfloat16 weights
+# (3.6x the bytes of Q4_1) would. Longer steps take oneDNN on the bfloat16 weights, or with int8 "all"
+# (`KernelOptions.int8`) one int8 level (llama.cpp's precision, faster, coarser). 16, not 8 (session 22): a
+# tenant's request joining eight others' made every layer switch to oneDNN, +5.7 ms on a 16 ms step of
+# SmolLM2 (docs/performance.md).
+FINE_MAX_ROWS = 16
+# The output head's two-level limit: it reads 49,152 rows of blocks for each step, where a second level costs
+# more than it does in the layers; kept where session 10 measured it.
+HEAD_FINE_MAX_ROWS = 8
 
 
 class PackedLinear(nn.Module):
@@ -113,14 +118,14 @@ class OutputHead(nn.Module):
     so two tokens 0.08 apart in float32 became an exact tie, greedy took the lower token id, and the same prompt
     answered differently on two CPUs. The sums of every path below stay float32:
       - `panels` (the GGUF's Q4_1/Q8_0 blocks, with AVX512-VNNI): `panel_linear_f32`, int8 activations in two
-        levels up to FINE_MAX_ROWS rows and one beyond, for every step; the bfloat16 weight is then dropped;
+        levels up to HEAD_FINE_MAX_ROWS rows and one beyond, for every step; the bfloat16 weight is then dropped;
       - the C++ kernels otherwise: `linear_f32` on the bfloat16 weight (exact products, float32 sums), on AMX
         tiles where the CPU has them, AVX512-BF16 otherwise;
       - the torch path: float32 matmuls over slices of the bfloat16 weight, upcast one slice at a time.
     A tied head holds the embedding's tensor itself: no second copy."""
 
     panels: QuantPanels | None = None
-    fine_max_rows = FINE_MAX_ROWS
+    fine_max_rows = HEAD_FINE_MAX_ROWS
     kernels: KernelOps | None = None
     SLICE_ROWS = 1024  # vocabulary rows upcast at a time on the torch path (2.3 MB of float32 at D = 576)
 
@@ -206,7 +211,7 @@ def attach_quantized(model: nn.Module, quantized: Mapping[str, QuantBlocks], bac
             module.panels = QuantPanels(p.kind, p.n, wp, d, m)
             module.kernels = ops
             # The head sees only sampled rows (one per sequence): every step takes its panels, in one level beyond
-            # FINE_MAX_ROWS, where two levels are slower than oneDNN was (docs/performance.md, session 10).
+            # HEAD_FINE_MAX_ROWS, where two levels are slower than oneDNN was (docs/performance.md, session 10).
             if isinstance(module, OutputHead):
                 module.drop_weight()
             elif backend.int8_prefill:  # the bfloat16 weight goes

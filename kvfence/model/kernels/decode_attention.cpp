@@ -5,14 +5,18 @@
 // softmax and the weighted sum in float32. Only pages of the row's own block table, and only the slots below
 // its context length, are ever read: the same reads as the torch path, without the padding.
 //
-// Work is split over rows; each token's K/V vector is converted from bfloat16 once and used by the G query heads
-// that share it.
+// Work is split over spans of at most SPAN tokens of a row (rows longer than that are merged from their spans'
+// partial sums); each token's K/V vector is converted from bfloat16 once and used by the G query heads that share
+// it.
 
 #include "cpu_ops.h"
 
 namespace kvfence {
 
 namespace {
+
+constexpr int64_t SPAN = 1024;      // tokens per work item: a longer row is cut into spans, merged afterwards
+constexpr int64_t ITEM_COST = 32;   // an item's fixed cost, in tokens' worth, when items are shared out
 
 #ifdef __AVX512F__
 // acc[g * acc_stride ..][0 .. 64) (g < G <= 4) = sum over t of probs[g * ctx + t] * V_t, V_t 64 values of token t
@@ -65,6 +69,7 @@ inline void score_blocks(float* scores, int64_t ctx, const int64_t* offsets, con
                          const uint16_t* v_base, const uint16_t* qb, int64_t Hkv, int64_t G, int64_t Dh, float scale) {
   const int64_t row_bytes = Hkv * Dh * static_cast<int64_t>(sizeof(uint16_t));
   const __m512 vscale = _mm512_set1_ps(scale);
+  for (int64_t t = 0; t < 16 && t < ctx; ++t) prefetch(k_base + offsets[t], row_bytes);  // the first block
   for (int64_t t0 = 0; t0 < ctx; t0 += 16) {
     const int64_t nt = ctx - t0 < 16 ? ctx - t0 : 16;
     if (t0 + 16 < ctx) {
@@ -131,17 +136,54 @@ void paged_decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor kv
   const int64_t q_row = q.stride(0), q_head = q.stride(1);
   const float fscale = static_cast<float>(scale);
 
-  // One row at a time, all its heads together. Each token's K (then V) for every KV head is one contiguous run of
-  // Hkv * Dh values. With AVX512-BF16 and Dh a multiple of 32, scores come 16 tokens at a time (sum16) and the
-  // reads of the next 16 tokens are prefetched while these are computed: pages are scattered over a pool much
-  // larger than the caches, and without prefetching a row's reads wait on memory one page at a time (a decode
-  // step of 8 rows spent ~40% of its time here, docs/performance.md).
-  at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
+  // Work items: each row's context cut into spans of SPAN tokens (the last one shorter). A row of one span is
+  // computed and written as a whole; a longer row's spans each leave their unnormalised sums, per-head maxima
+  // and sums of exponentials (`Partial`), merged in span order afterwards (as flash-decoding does). The spans
+  // depend only on the row's own length, so a row's bits do not depend on the other rows of the step nor on the
+  // threads; and one long row (a tenant's 2,000-token request decoding beside eight short ones) is spread over
+  // the threads instead of holding one of them for the whole step.
+  std::vector<int64_t> item_row, item_t0, item_slot;  // per item: its row, first token, partial slot (-1: none)
+  std::vector<int64_t> first_slot(B, -1);
+  int64_t slots = 0;
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t spans = (lens[b] + SPAN - 1) / SPAN;
+    if (spans > 1) first_slot[b] = slots;
+    for (int64_t s = 0; s < spans; ++s) {
+      item_row.push_back(b);
+      item_t0.push_back(s * SPAN);
+      item_slot.push_back(spans > 1 ? slots++ : -1);
+    }
+  }
+  const int64_t items = static_cast<int64_t>(item_row.size());
+  std::vector<float> part_acc(slots * H * Dh), part_max(slots * H), part_sum(slots * H);
+
+  // Items go to the threads in order, in runs of about equal cost (tokens plus a fixed cost per item): at::
+  // parallel_for splits a range by count, which would give one thread every span of a long row.
+  const int64_t tasks = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), items));
+  std::vector<int64_t> bounds(tasks + 1, items);
+  {
+    int64_t total = 0;
+    for (int64_t i = 0; i < items; ++i) total += std::min(SPAN, lens[item_row[i]] - item_t0[i]) + ITEM_COST;
+    bounds[0] = 0;
+    int64_t done = 0, task = 1;
+    for (int64_t i = 0; i < items && task < tasks; ++i) {
+      done += std::min(SPAN, lens[item_row[i]] - item_t0[i]) + ITEM_COST;
+      while (task < tasks && done * tasks >= total * task) bounds[task++] = i + 1;
+    }
+  }
+
+  // Each item: all the heads of its row over its span. Each token's K (then V) for every KV head is one
+  // contiguous run of Hkv * Dh values. With AVX512-BF16 and Dh a multiple of 32, scores come 16 tokens at a time
+  // (sum16) and the reads of the next 16 tokens are prefetched while these are computed: pages are scattered
+  // over a pool much larger than the caches, and without prefetching a row's reads wait on memory one page at a
+  // time (a decode step of 8 rows spent ~40% of its time here, docs/performance.md).
+  at::parallel_for(0, tasks, 1, [&](int64_t task_begin, int64_t task_end) {
     std::vector<float> qf(H * Dh), acc(H * Dh), vec(Hkv * Dh), scores, inv_sum(H);
     std::vector<uint16_t> qb(H * Dh);
     std::vector<int64_t> offsets;  // each token's offset in K (and V): its slot * Hkv * Dh
-    for (int64_t b = begin; b < end; ++b) {
-      const int64_t ctx = lens[b];
+    for (int64_t i = bounds[task_begin]; i < bounds[task_end]; ++i) {
+      const int64_t b = item_row[i], t0 = item_t0[i], slot = item_slot[i];
+      const int64_t ctx = std::min(SPAN, lens[b] - t0);
       for (int64_t h = 0; h < H; ++h) {
         std::memcpy(&qb[h * Dh], q_base + b * q_row + h * q_head, Dh * sizeof(uint16_t));
         bf16_to_f32(&qb[h * Dh], &qf[h * Dh], Dh);
@@ -149,8 +191,7 @@ void paged_decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor kv
       scores.resize(H * ctx);
       offsets.resize(ctx);
       const int64_t* table = tables + b * max_pages;
-      for (int64_t t = 0, i = 0; t < ctx; ++i)
-        for (int64_t s = 0; s < S && t < ctx; ++s, ++t) offsets[t] = (table[i] * S + s) * Hkv * Dh;
+      for (int64_t t = 0; t < ctx; ++t) offsets[t] = (table[(t0 + t) / S] * S + (t0 + t) % S) * Hkv * Dh;
 #if defined(__AVX512BF16__)
       if (Dh % 32 == 0) {
         score_blocks(scores.data(), ctx, offsets.data(), k_base, v_base, qb.data(), Hkv, G, Dh, fscale);
@@ -161,23 +202,59 @@ void paged_decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor kv
         for (int64_t h = 0; h < H; ++h)
           scores[h * ctx + t] = dot_bf16(&qb[h * Dh], k + (h / G) * Dh, &qf[h * Dh], vec.data(), Dh) * fscale;
       }
+      float* top = slot < 0 ? nullptr : &part_max[slot * H];
       for (int64_t h = 0; h < H; ++h) {
         float* row = &scores[h * ctx];
-        inv_sum[h] = 1.0f / exp_shifted(row, ctx, max_of(row, ctx));
+        const float m = max_of(row, ctx);
+        const float sum = exp_shifted(row, ctx, m);
+        if (slot < 0) {
+          inv_sum[h] = 1.0f / sum;
+        } else {
+          top[h] = m;
+          part_sum[slot * H + h] = sum;
+        }
       }
-      std::fill(acc.begin(), acc.end(), 0.0f);
+      float* sums = slot < 0 ? acc.data() : &part_acc[slot * H * Dh];
+      std::fill(sums, sums + H * Dh, 0.0f);
 #ifdef __AVX512F__
       if (Dh % 64 == 0) {
-        weighted_sums(acc.data(), scores.data(), ctx, Hkv, G, Dh, offsets.data(), v_base);
+        weighted_sums(sums, scores.data(), ctx, Hkv, G, Dh, offsets.data(), v_base);
       } else
 #endif
       for (int64_t t = 0; t < ctx; ++t) {
         bf16_to_f32(v_base + offsets[t], vec.data(), Hkv * Dh);
-        for (int64_t h = 0; h < H; ++h) axpy(&acc[h * Dh], scores[h * ctx + t], &vec[(h / G) * Dh], Dh);
+        for (int64_t h = 0; h < H; ++h) axpy(&sums[h * Dh], scores[h * ctx + t], &vec[(h / G) * Dh], Dh);
       }
+      if (slot >= 0) continue;  // merged below with the row's other spans
       for (int64_t h = 0; h < H; ++h) {
         for (int64_t d = 0; d < Dh; ++d) acc[h * Dh + d] *= inv_sum[h];
         f32_to_bf16_n(&acc[h * Dh], out_base + (b * H + h) * Dh, Dh);
+      }
+    }
+  });
+
+  // Rows of several spans: rescale each span's sums to the row's maximum and add them up, in span order.
+  std::vector<int64_t> long_rows;
+  for (int64_t b = 0; b < B; ++b)
+    if (first_slot[b] >= 0) long_rows.push_back(b);
+  at::parallel_for(0, static_cast<int64_t>(long_rows.size()), 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> acc(Dh), weight;
+    for (int64_t r = begin; r < end; ++r) {
+      const int64_t b = long_rows[r], first = first_slot[b], spans = (lens[b] + SPAN - 1) / SPAN;
+      weight.resize(spans);
+      for (int64_t h = 0; h < H; ++h) {
+        float m = -std::numeric_limits<float>::infinity();
+        for (int64_t s = 0; s < spans; ++s) m = std::max(m, part_max[(first + s) * H + h]);
+        float total = 0.0f;
+        for (int64_t s = 0; s < spans; ++s) {
+          weight[s] = std::exp(part_max[(first + s) * H + h] - m);
+          total += weight[s] * part_sum[(first + s) * H + h];
+        }
+        std::fill(acc.begin(), acc.end(), 0.0f);
+        for (int64_t s = 0; s < spans; ++s) axpy(acc.data(), weight[s], &part_acc[((first + s) * H + h) * Dh], Dh);
+        const float inv = 1.0f / total;
+        for (int64_t d = 0; d < Dh; ++d) acc[d] *= inv;
+        f32_to_bf16_n(acc.data(), out_base + (b * H + h) * Dh, Dh);
       }
     }
   });
