@@ -221,22 +221,47 @@ def test_building_a_model_runs_no_random_init(tmp_path):
 
 @pytest.mark.parametrize("chunks", [[200], [40, 160], [150, 50], [120, 1, 79]])
 def test_bfloat16_prefill_attention_routes_agree(tmp_path, monkeypatch, chunks):
-    """bfloat16 prefill chunks take the C++ kernel below `SDPA_MIN_SCORES` query x key scores and torch's
-    scaled_dot_product_attention above (first chunks and later ones with a mask): both routes track float32
-    as closely as the kernel alone does, whichever a chunk of these splits takes."""
+    """Where oneDNN has AMX, bfloat16 prefill chunks take the C++ kernel below `SDPA_MIN_SCORES` query x key
+    scores and torch's scaled_dot_product_attention above (first chunks and later ones with a mask): both routes
+    track float32 as closely as the kernel alone does, whichever a chunk of these splits takes. (The SDPA route
+    is forced here, so that it is checked on every CPU.)"""
     import kvfence.model.llama as llama
+    from kvfence.model.kernels.ops import KernelOps
 
     loaded = load_model(write_tiny_hf_dir(tmp_path / "m", arch="llama", seed=3))
     ids = torch.randint(
         0, loaded.config.vocab_size, (200,), generator=torch.Generator().manual_seed(1)
     ).tolist()
     f32 = run_paged(loaded, ids, chunks=[200])
+    init = KernelOps.__init__
+
+    def with_sdpa(self, lib):
+        init(self, lib)
+        self.prefill_sdpa = True
+
+    monkeypatch.setattr(KernelOps, "__init__", with_sdpa)
     routed = run_paged(loaded, ids, chunks=chunks, dtype=torch.bfloat16)
+    monkeypatch.setattr(KernelOps, "__init__", init)
     monkeypatch.setattr(llama, "SDPA_MIN_SCORES", 10**12)  # every chunk through the kernel
     kernel = run_paged(loaded, ids, chunks=chunks, dtype=torch.bfloat16)
     err_routed, err_kernel = (routed - f32).abs().max().item(), (kernel - f32).abs().max().item()
     assert err_routed <= 2 * err_kernel + 1e-3, (err_routed, err_kernel)
     assert (routed.argmax(-1) == f32.argmax(-1)).float().mean() >= 0.95
+
+
+def test_long_prefill_chunks_take_torchs_attention_only_where_onednn_has_amx(monkeypatch):
+    """SDPA for long chunks where oneDNN runs it on AMX tiles; the C++ kernel everywhere else (faster without
+    AMX at every size), also where `ONEDNN_MAX_CPU_ISA` caps oneDNN below AMX."""
+    from kvfence.model.kernels.ops import KernelOps, onednn_may_use_amx
+    from tests.kernel_ops import kernel_ops
+
+    for cap, amx in (("", True), ("ALL", True), ("avx512_core_amx", True), ("AVX512_CORE_BF16", False),
+                     ("AVX2", False)):  # fmt: skip
+        monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", cap)
+        assert onednn_may_use_amx() is amx, cap
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA")
+    ops = KernelOps(kernel_ops())
+    assert ops.prefill_sdpa == (ops.head_tiles and onednn_may_use_amx())
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

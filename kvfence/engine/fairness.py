@@ -124,9 +124,15 @@ class Fairness:
         low = min(self.counters.get(t, 0.0) for t in backlogged)
         return PrefillGate({t: self.counters.get(t, 0.0) for t in backlogged}, low, chunk)
 
-    def next_tenant(self, candidates: Iterable[str]) -> str:
-        """The tenant to serve first among `candidates` (smallest counter; ties by name, deterministic)."""
-        return min(candidates, key=lambda t: (self.counters.get(t, 0.0), t))
+    def next_tenant(self, candidates: Iterable[str], running: Mapping[str, int] | None = None) -> str:
+        """The tenant to serve first among `candidates`: the smallest counter. Ties (a tenant that just got work
+        is lifted to exactly the smallest counter) go to the larger weight, then to the tenant with fewer
+        requests `running`, then by name (deterministic)."""
+        running = running or {}
+        return min(
+            candidates,
+            key=lambda t: (self.counters.get(t, 0.0), -self.share(t).weight, running.get(t, 0), t),
+        )
 
     # ---- pages ----------------------------------------------------------------------------------------
 

@@ -102,6 +102,13 @@ class Scheduler:
             held[r.tenant] = held.get(r.tenant, 0) + len(r.pages)
         return held
 
+    def running_per_tenant(self) -> dict[str, int]:
+        """Running requests per tenant (ties of the counters go to the tenant with fewer)."""
+        running: dict[str, int] = {}
+        for r in self.running:
+            running[r.tenant] = running.get(r.tenant, 0) + 1
+        return running
+
     @property
     def num_unfinished(self) -> int:
         return len(self.waiting) + len(self.running)
@@ -126,6 +133,8 @@ class Scheduler:
         ):  # decodes first, in arrival order; then prefill chunks, least served tenant first
             counters = self.fairness.counters
             queue.sort(key=lambda r: (r.num_tokens - r.num_computed_tokens > 1, counters.get(r.tenant, 0.0)))
+        yielding = self._waiting_at_or_below() if gate is not None else None
+        deferred: list[Request] = []  # prompt chunks that yield to another tenant's waiting request
         while queue and budget > 0:
             request = queue.pop(0)
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
@@ -133,6 +142,9 @@ class Scheduler:
                 num_new = min(num_new, gate.allowance(request.tenant))
                 if num_new == 0:
                     continue  # its tenant is ahead: its prompt waits, its pages stay
+                if yielding is not None and yielding(request.tenant):
+                    deferred.append(request)
+                    continue
             while not self._grow(request, num_new):
                 victim = self._victim(queue, request)
                 if victim is not request:
@@ -175,7 +187,34 @@ class Scheduler:
             prefill += started
             if gate is not None:
                 gate.take(request.tenant, started)
+        for request in deferred:  # what the waiting requests left of the step's prefill
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if gate is not None:
+                num_new = min(num_new, gate.allowance(request.tenant))
+            if (
+                num_new <= 0
+                or (cap and prefill and prefill + num_new > cap)
+                or not self._grow(request, num_new)
+            ):
+                continue  # its pages stay; it goes again next step
+            scheduled.append(Scheduled(request, num_new))
+            budget -= num_new
+            prefill += num_new
+            if gate is not None:
+                gate.take(request.tenant, num_new)
         return scheduled
+
+    def _waiting_at_or_below(self) -> Callable[[str], bool]:
+        """vtc, several tenants with work: whether a running request's next prompt chunk yields this step to a
+        waiting request of another tenant whose counter is at or below its tenant's. Prompt work goes in counter
+        order, whether it is a running prompt's next chunk or a new request: a tenant that just got work (lifted
+        to the smallest counter) has its first token computed before a tenant at the same counter prefills
+        more, instead of after that tenant's chunk (a step of it: 200-600 ms on 2 cores)."""
+        counters = self.fairness.counters
+        lowest: dict[str, float] = {}
+        for r in self.waiting:
+            lowest.setdefault(r.tenant, counters.get(r.tenant, 0.0))
+        return lambda tenant: any(t != tenant and c <= counters.get(tenant, 0.0) for t, c in lowest.items())
 
     def _start_below_share(self, budget: int, gate: PrefillGate | None) -> Scheduled | None:
         """vtc, before the running requests: when the pool cannot hold the first chunk of the next waiting request
@@ -213,7 +252,7 @@ class Scheduler:
         tenants = {r.tenant for r in self.waiting} - capped
         if not tenants:
             return None
-        tenant = self.fairness.next_tenant(tenants)
+        tenant = self.fairness.next_tenant(tenants, self.running_per_tenant())
         return next(r for r in self.waiting if r.tenant == tenant)
 
     def _may_take(self, request: Request, pages: int) -> bool:

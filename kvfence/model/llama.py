@@ -148,10 +148,12 @@ class Rotary:
         return self.apply(x, *self.tables(positions, x.dtype))
 
 
-# Prefill chunks of at least this many queries and query x key scores take torch's `scaled_dot_product_attention`
-# rather than the C++ kernel: from about 128 x 128 on it is faster, 3x at 2,000 tokens (AMX; 2.4x with oneDNN
-# capped to AVX512-BF16), 1.6x for 32 queries over 2,000 keys; below, the kernel is, and for a few queries over
-# many keys (a short last chunk, a prefix-cache hit) the kernel stays (docs/performance.md, session 18).
+# Where oneDNN has AMX (`KernelOps.prefill_sdpa`), prefill chunks of at least this many queries and query x key
+# scores take torch's `scaled_dot_product_attention` rather than the C++ kernel: from about 128 x 128 on it is
+# faster there, 3x at 2,000 tokens, 1.6x for 32 queries over 2,000 keys; below, the kernel is, and for a few
+# queries over many keys (a short last chunk, a prefix-cache hit) the kernel stays (docs/performance.md, session
+# 18). Without AMX (AMD Zen4) the kernel is faster at every size, 1.6x for 256 queries over 1,792 keys and 3.2x
+# at 2,000 tokens (session 22), and takes every chunk.
 SDPA_MIN_QUERIES = 32
 SDPA_MIN_SCORES = 128 * 128
 
@@ -201,13 +203,16 @@ class Attention(nn.Module):
     ) -> None:
         """Attention of one prefill chunk, written into `out` ([q_len, H, Dh], the chunk's rows of the step's)."""
         ctx, span = seq.start_pos + seq.q_len, slice(seq.q_start, seq.q_start + seq.q_len)
-        if self.kernels is not None and (seq.q_len < SDPA_MIN_QUERIES or seq.q_len * ctx < SDPA_MIN_SCORES):
+        kernels = self.kernels
+        if kernels is not None and (
+            not kernels.prefill_sdpa or seq.q_len < SDPA_MIN_QUERIES or seq.q_len * ctx < SDPA_MIN_SCORES
+        ):
             # query i sees keys [0, start_pos + i]: the chunk's own K/V, or every page read back
             if seq.start_pos == 0:
                 k, v = k_new[span], v_new[span]
             else:
                 k, v = (t[:ctx] for t in cache.gather(self.layer, seq.pages))
-            self.kernels.prefill_attention(out, q[span], k, v, self.scale)
+            kernels.prefill_attention(out, q[span], k, v, self.scale)
             return
         # torch's flash attention: its matrix products go through oneDNN (AMX where the CPU has it)
         qs = q[span].transpose(0, 1).unsqueeze(0)  # [1, H, q_len, Dh]

@@ -112,7 +112,7 @@ class DecodeRole(Role):
         tenants = {msg.tenant for msg, _ in self.queued.values()} - skip
         if not tenants:
             return None
-        tenant = fairness.next_tenant(tenants)
+        tenant = fairness.next_tenant(tenants, self.engine.scheduler.running_per_tenant())
         return next(rid for rid, (msg, _) in self.queued.items() if msg.tenant == tenant)
 
     def _reserve_queued(self) -> None:

@@ -11,6 +11,7 @@ size, B = decode rows, N = output columns, K = input columns.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from types import ModuleType
 from typing import TYPE_CHECKING
@@ -30,6 +31,10 @@ class KernelOps:
         self.panel_vnni: bool = bool(lib.panel_vnni())
         # whether linear_f32 runs on AMX tiles here (else AVX512-BF16, or scalar): the build and the kernel's leave
         self.head_tiles: bool = bool(lib.head_tiles())
+        # whether long prefill chunks take torch's flash attention rather than `prefill_attention`: where oneDNN
+        # runs its products on AMX tiles (3x faster at 2,000 tokens), not elsewhere (on AMD Zen4's AVX512-BF16
+        # the kernel is 1.6-3x faster at every size; docs/performance.md, session 22)
+        self.prefill_sdpa: bool = self.head_tiles and onednn_may_use_amx()
 
     def paged_decode_attention(
         self, out: Tensor, q: Tensor, kv: Tensor, block_tables: Tensor, context_lens: Tensor, scale: float
@@ -92,6 +97,12 @@ class KernelOps:
         On AMX tiles where `head_tiles` (8x faster at 32 rows), unless `tiles` is False (tests, benchmarks)."""
         out: Tensor = self.lib.linear_f32(x, weight, tiles)
         return out
+
+
+def onednn_may_use_amx() -> bool:
+    """Whether `ONEDNN_MAX_CPU_ISA` leaves oneDNN its AMX kernels (unset, or a cap that names AMX)."""
+    cap = os.environ.get("ONEDNN_MAX_CPU_ISA", "").upper()
+    return cap in ("", "ALL", "DEFAULT") or "AMX" in cap
 
 
 @dataclass(frozen=True)
