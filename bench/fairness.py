@@ -7,7 +7,9 @@ Tenant B runs W1 (32 distinct ~196-token prompts, 64 output tokens, 8 in flight;
 alone, then while tenant A keeps --a-in-flight requests of --a-prompt-len-token prompts (distinct, 64 output
 tokens) in flight from just before B starts until B is done. Reports B's wall time, output tokens/s and TTFT
 p50/p99 flooded against alone (the ratios the issue's target is about: within 20% means <= 1.2), and what A
-completed meanwhile (fairness must not starve the flooder: A gets its share, not zero). Works against any
+completed meanwhile (fairness must not starve the flooder: A gets its share, not zero), and with --metrics-key
+what kvfence computed for each tenant while B ran (its virtual token counters' gains: A's service even when a
+request of A's takes longer than B's whole run). Works against any
 OpenAI-compatible server; one without tenants (vLLM) just sees two clients.
 """
 
@@ -17,6 +19,7 @@ import argparse
 import asyncio
 import json
 import random
+import re
 import sys
 import time
 from collections.abc import Sequence
@@ -58,6 +61,27 @@ async def flood(client: httpx.AsyncClient, model: str, prompts: list[tuple[str, 
     for t in tasks:
         t.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def virtual_tokens(client: httpx.AsyncClient, key: str | None) -> dict[str, float] | None:
+    """Each tenant's virtual token counter from kvfence's /metrics (the operator's scrape key), None without a
+    key or on a server that has none (vLLM)."""
+    if key is None:
+        return None
+    r = await client.get("/metrics", headers={"Authorization": f"Bearer {key}"})
+    if r.status_code != 200:
+        return None
+    found = re.findall(r'^kvfence_tenant_virtual_tokens_total\{tenant="([^"]*)"\} (\S+)$', r.text, re.MULTILINE)
+    return {tenant: float(value) for tenant, value in found} or None
+
+
+def service(before: dict[str, float] | None, after: dict[str, float] | None) -> dict[str, float] | None:
+    """What each tenant's counter gained while B ran: the service it got, in prompt tokens + 2 x output tokens
+    divided by its weight (docs/fairness.md). A tenant that stays backlogged gains exactly what it was served;
+    so A's gain is A's service (A's weight is 1 in bench/peers.sh), not zero when it completes nothing."""
+    if before is None or after is None:
+        return None
+    return {t: round(after[t] - before.get(t, 0.0), 1) for t in sorted(after)}
 
 
 def summary(results: list[RequestResult], elapsed: float) -> dict[str, Any]:
@@ -103,7 +127,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         flooder = asyncio.create_task(flood(a, model, a_prompts, args.a_in_flight, stop, a_done))
         await asyncio.sleep(args.a_head_start)  # A's requests are queued and running when B starts
         start = time.perf_counter()
+        counters_before = await virtual_tokens(b, args.metrics_key)
         flooded = summary(*await drive(b, model, w1, b_flooded, False))
+        counters_after = await virtual_tokens(b, args.metrics_key)
         a_elapsed = time.perf_counter() - start + args.a_head_start
         stop.set()
         await flooder
@@ -118,6 +144,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             "completed": len(a_ok),
             "failed": len(a_done) - len(a_ok),
             "out_tok_s": round(sum(r.output_tokens for r in a_ok) / a_elapsed, 1),
+            # the server's own count of what it computed for each tenant while B ran (kvfence only)
+            "service": service(counters_before, counters_after),
         },
         "b_alone": alone,
         "b_flooded": flooded,
@@ -146,6 +174,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         default=0,
         help="prompts use seeds SEED..SEED+3: a second run against "
         "the same server needs another (SEED+10), or B's prompts hit the prefix cache the last one filled",
+    )
+    ap.add_argument(
+        "--metrics-key", default=None, help="kvfence's scrape key: each tenant's service while B ran, from /metrics"
     )
     ap.add_argument("--timeout", type=float, default=900.0)
     ap.add_argument("--label", default="")

@@ -324,7 +324,7 @@ fairness_loads() {  # fairness_loads LABEL: bench/fairness.py's loads against th
     seed=$((seed + 10))  # each load its own prompts: B's "alone" must not hit the prefix cache the last load filled
     log "$1 fairness: A $2 in flight x $3 tokens (load average: $(cut -d' ' -f1-3 /proc/loadavg))"
     "$PY" "$ROOT/bench/fairness.py" --base-url "http://127.0.0.1:$PORT" --key-a key-a --key-b key-b \
-      --a-in-flight "$2" --a-prompt-len "$3" --seed "$seed" --label "$1" --json "$RESULTS/fairness/$1.a$2x$3.json" >/dev/null \
+      --a-in-flight "$2" --a-prompt-len "$3" --seed "$seed" --label "$1" ${FAIRNESS_METRICS_KEY:+--metrics-key "$FAIRNESS_METRICS_KEY"} --json "$RESULTS/fairness/$1.a$2x$3.json" >/dev/null \
       || log "$1 fairness had failures"
   done
 }
@@ -339,10 +339,10 @@ run_fairness() {  # kvfence configurations in FAIRNESS_POLICIES, then vLLM. A co
     printf '[tenants.a]\nkeys = ["key-a"]\n[tenants.b]\nkeys = ["key-b"]\n' >"$keys"
     [[ -n $weight ]] && printf 'weight = %s\n' "$weight" >>"$keys"
     "$ROOT/.venv/bin/kvfence" serve --port "$PORT" --threads "$THREADS" --dtype bfloat16 --api-keys "$keys" \
-      --scheduling-policy "$policy" ${tokens:+--max-num-batched-tokens "$tokens"} \
+      --scheduling-policy "$policy" ${tokens:+--max-num-batched-tokens "$tokens"} --metrics-key scrape-key \
       >"$RESULTS/kvfence-fairness-$config.log" 2>&1 &
     pid=$!
-    wait_healthy "http://127.0.0.1:$PORT/health" "$pid" 300 && fairness_loads "kvfence-$config"
+    wait_healthy "http://127.0.0.1:$PORT/health" "$pid" 300 && FAIRNESS_METRICS_KEY=scrape-key fairness_loads "kvfence-$config"
     stop "$pid"
   done
   if [[ ${FAIRNESS_VLLM:-1} == 1 ]]; then
@@ -353,13 +353,14 @@ run_fairness() {  # kvfence configurations in FAIRNESS_POLICIES, then vLLM. A co
   fi
   "$PY" - "$RESULTS/fairness" <<'PYEOF'
 import json, pathlib, sys
-print("| server | A's load | B wall flooded / alone | B tok/s ratio | B TTFT p50 flooded / alone | B TTFT p99 flooded / alone | A completed (tok/s) |")
-print("| --- | --- | --- | --- | --- | --- | --- |")
+print("| server | A's load | B wall flooded / alone | B tok/s ratio | B TTFT p50 flooded / alone | B TTFT p99 flooded / alone | A completed (tok/s) | service while B ran, A / B |")
+print("| --- | --- | --- | --- | --- | --- | --- | --- |")
 for f in sorted(pathlib.Path(sys.argv[1]).glob("*.json")):
     d = json.loads(f.read_text()); a, b0, b1, r = d["a"], d["b_alone"], d["b_flooded"], d["b_ratio"]
     print(f"| {d['label']} | {a['in_flight']} x {a['prompt_len']} | {b1['wall_s']} / {b0['wall_s']} s = {r['wall']}x | "
           f"{r['throughput']} | {b1['ttft_p50_ms']} / {b0['ttft_p50_ms']} ms = {r['ttft_p50']}x | "
-          f"{b1['ttft_p99_ms']} / {b0['ttft_p99_ms']} ms = {r['ttft_p99']}x | {a['completed']} ({a['out_tok_s']}) |")
+          f"{b1['ttft_p99_ms']} / {b0['ttft_p99_ms']} ms = {r['ttft_p99']}x | {a['completed']} ({a['out_tok_s']}) | "
+          + (f"{a['service'].get('a', 0)} / {a['service'].get('b', 0)} |" if a.get("service") else "n/a |"))
 PYEOF
 }
 
