@@ -7,7 +7,10 @@ Tenant B runs W1's shape (32 distinct prompts of 176-216 tokens, 64 output token
 request that ends is replaced in the same step) alone, then while tenant A keeps --a-in-flight requests of
 --a-prompt-len tokens (64 output tokens) in flight, from --a-head-start seconds before B starts until B is done.
 Prompts are random token ids (distinct: no prefix-cache hits). Time is the engine's own: each step's wall time,
-one thread driving `LLMEngine.step` (so no HTTP, no tokenizer, no client on the cores).
+one thread driving `LLMEngine.step` (so no HTTP, no tokenizer, no client on the cores). As over HTTP, a request
+arrives while a step runs (halfway through it, for its TTFT) and waits for the next: a request that ends is
+replaced one step later, and B's first requests arrive during a step of A's (--arrive-between-steps: at a step's
+end, replaced at once).
 
 Alone and flooded alternate --rounds times (this machine's noise moves a run by 10-20%). Each round prints B's
 wall time, output tokens/s and TTFT p50/p99 flooded against alone (issue 25's ratios), what the engine computed
@@ -36,6 +39,7 @@ from kvfence.flags import resolve
 from kvfence.model.fetch import DEFAULT_MODEL_PATH
 
 B_REQUESTS, B_IN_FLIGHT, B_PROMPT, OUT = 32, 8, 196, 64
+MID_STEP = True  # requests arrive halfway through a step, as over HTTP (--arrive-between-steps: at its end)
 SERVED: dict[str, list[int]] = {}  # tenant -> [prompt tokens, output tokens] the engine computed (its counters' input)
 
 
@@ -113,13 +117,18 @@ def run_b(engine: LLMEngine, b_prompts: list[list[int]], a: Client | None, head_
     while not (started and b.done):
         if not started and clock >= head_start:
             started, b_start = True, clock
-            b.top_up(clock)
+            if not MID_STEP:
+                b.top_up(clock)
         scheduler = engine.scheduler
         before = {t: list(v) for t, v in SERVED.items()}
         t0 = time.perf_counter()
         outputs = engine.step()
         dt = time.perf_counter() - t0
         clock += dt
+        if MID_STEP:  # what ended in the last step is replaced now, as if it arrived halfway through this one
+            for client in clients:
+                if started or client is a:
+                    client.top_up(clock - dt / 2)
         for out in outputs:
             rid = str(out.request_id)
             for client in clients:
@@ -129,9 +138,10 @@ def run_b(engine: LLMEngine, b_prompts: list[list[int]], a: Client | None, head_
         steps_out.append({"t": round(clock, 4), "dt_ms": round(dt * 1000, 2), "did": did, "b_started": started,
                           "waiting": {t: sum(1 for r in scheduler.waiting if r.tenant == t) for t in ("A", "B")},
                           "counters": {t: round(v, 1) for t, v in scheduler.fairness.counters.items()}})  # fmt: skip
-        for client in clients:
-            if started or client is a:
-                client.top_up(clock)
+        if not MID_STEP:
+            for client in clients:
+                if started or client is a:
+                    client.top_up(clock)
     if a is not None:
         a.in_flight = 0
         for rid in list(a.live):
@@ -181,8 +191,13 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--rounds", type=int, default=2, help="alone / flooded pairs, alternated (machine noise)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--arrive-between-steps", action="store_true", help="requests arrive as a step ends, not halfway through"
+    )
     p.add_argument("--steps-out", default=None, help="the last flooded run's steps, one JSON line each")
     args = p.parse_args()
+    global MID_STEP
+    MID_STEP = not args.arrive_between_steps
     torch.set_num_threads(args.threads)
     config = Config.of(model=args.model, dtype=args.dtype, policy=args.policy, threads=args.threads,
                        max_num_batched_tokens=args.max_num_batched_tokens,
