@@ -157,6 +157,48 @@ def test_a_newcomers_prompt_goes_before_the_next_chunk_of_a_tenant_at_its_counte
     assert seen[1].get(a.request_id, 0) > 1
 
 
+def test_a_yielded_chunk_preempted_in_the_same_step_is_not_scheduled(tiny_model):
+    """Z's chunk yields to three newcomers; making room for C preempts Z's request (back to waiting, its pages
+    released), and D then fills the step (max_num_seqs). The yielded chunk must not run: scheduled anyway, it
+    leased pages to a waiting request and computed a row the engine then ignored (found by a review of the
+    change; this test failed before the fix). The page check that normally stops C before `_make_room` (the
+    waiting loop's `_may_take`) is waved through here: with the prefix cache a start can still fall short
+    after it, and that is the path under test."""
+    engine = make_engine(tiny_model, policy="vtc", kv_pages=56, page_size=4, max_num_batched_tokens=128,
+                         max_num_seqs=3, prefill_batch_tokens=0)  # fmt: skip
+    vocab = tiny_model.config.vocab_size
+    params = SamplingParams(max_tokens=2, ignore_eos=True)
+    engine.add_request([(j * 5) % (vocab - 3) + 3 for j in range(200)], params, "z", tenant="Z")
+    engine.step()  # Z alone: 128 tokens, 32 of the 56 pages
+    for tenant, n in (("B", 8), ("C", 100), ("D", 8)):
+        engine.add_request(
+            [(j * 3 + n) % (vocab - 3) + 3 for j in range(n)], params, tenant.lower(), tenant=tenant
+        )
+    scheduler, real = engine.scheduler, engine.scheduler.schedule
+    seen = []
+
+    def checked():
+        out = real()
+        seen.append(out)
+        ids = [s.request.request_id for s in out]
+        assert len(ids) == len(set(ids)), ids
+        assert all(s.request.state.name == "RUNNING" for s in out), [
+            (s.request.tenant, s.request.state) for s in out
+        ]
+        assert all(not r.pages for r in scheduler.waiting), [
+            (r.tenant, len(r.pages)) for r in scheduler.waiting
+        ]
+        return out
+
+    scheduler.schedule = checked
+    scheduler._may_take = lambda request, pages: True
+    engine.step()
+    del scheduler._may_take
+    assert scheduler.num_preemptions == 1 and {s.request.tenant for s in seen[0]} == {"B", "C", "D"}
+    for _ in steps(engine):
+        pass
+
+
 def test_weights_divide_the_charge():
     f = Fairness({"gold": TenantShare(weight=4.0)}, pool_pages=10)
     f.charge("gold", 400, 0)

@@ -135,7 +135,7 @@ class Scheduler:
         ):  # decodes first, in arrival order; then prefill chunks, least served tenant first
             counters = self.fairness.counters
             queue.sort(key=lambda r: (r.num_tokens - r.num_computed_tokens > 1, counters.get(r.tenant, 0.0)))
-        yielding = self._waiting_at_or_below() if gate is not None else None
+        yielding = self._yields_to_waiting() if gate is not None else None
         deferred: list[Request] = []  # prompt chunks that yield to another tenant's waiting request
         while queue and budget > 0:
             request = queue.pop(0)
@@ -189,7 +189,10 @@ class Scheduler:
             prefill += started
             if gate is not None:
                 gate.take(request.tenant, started)
+        in_step = {s.request.request_id for s in scheduled}
         for request in deferred:  # what the waiting requests left of the step's prefill
+            if request.state is not RequestState.RUNNING or request.request_id in in_step:
+                continue  # preempted to make room for a waiting request (and perhaps started again)
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             if gate is not None:
                 num_new = min(num_new, gate.allowance(request.tenant))
@@ -206,17 +209,18 @@ class Scheduler:
                 gate.take(request.tenant, num_new)
         return scheduled
 
-    def _waiting_at_or_below(self) -> Callable[[str], bool]:
+    def _yields_to_waiting(self) -> Callable[[str], bool]:
         """vtc, several tenants with work: whether a running request's next prompt chunk yields this step to a
-        waiting request of another tenant whose counter is at or below its tenant's. Prompt work goes in counter
-        order, whether it is a running prompt's next chunk or a new request: a tenant that just got work (lifted
-        to the smallest counter) has its first token computed before a tenant at the same counter prefills
-        more, instead of after that tenant's chunk (a step of it: 200-600 ms on 2 cores)."""
-        counters = self.fairness.counters
-        lowest: dict[str, float] = {}
-        for r in self.waiting:
-            lowest.setdefault(r.tenant, counters.get(r.tenant, 0.0))
-        return lambda tenant: any(t != tenant and c <= counters.get(tenant, 0.0) for t, c in lowest.items())
+        waiting request of another tenant that `Fairness.next_tenant` puts first (a smaller counter, or a tie it
+        wins). Prompt work goes in counter order, whether it is a running prompt's next chunk or a new request:
+        a tenant that just got work (lifted to the smallest counter) has its first token computed before a
+        tenant at the same counter prefills more, instead of after that tenant's chunk (a step of it: 200-600 ms
+        on 2 cores)."""
+        waiting = {r.tenant for r in self.waiting}
+        running = self.running_per_tenant()
+        return lambda tenant: any(  # the same order as the waiting requests' (ties included)
+            t != tenant and self.fairness.next_tenant({t, tenant}, running) == t for t in waiting
+        )
 
     def _start_below_share(self, budget: int, gate: PrefillGate | None) -> Scheduled | None:
         """vtc, before the running requests: when the pool cannot hold the first chunk of the next waiting request
