@@ -8,8 +8,8 @@ Each step (`schedule`):
   1. Running requests first, oldest first: a decode needs one token, an unfinished chunked prefill the next
      chunk. If the pool cannot cover them, preempt the request at the back of the running queue (release its
      pages, recompute later) until it can. (`vtc`, several tenants with work) Prompt work goes in counter
-     order: a running prompt's next chunk yields to a waiting request of another tenant at or below its
-     tenant's counter, and runs after step 2 if the step's prefill still allows it.
+     order: a running prompt's next chunk yields to a waiting request of another tenant that the counters put
+     first, and runs after step 2 if the step's prefill still allows it (and it was not preempted meanwhile).
   2. Then waiting requests while the token budget, `max_num_seqs` and free pages allow: in arrival order
      (`fcfs`), or (`vtc`, the default) the first waiting request of the backlogged tenant with the smallest
      virtual token counter, skipping a tenant at its page cap (engine/fairness.py). Long prompts
