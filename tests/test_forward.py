@@ -260,6 +260,11 @@ def test_long_prefill_chunks_take_torchs_attention_only_where_onednn_has_amx(mon
         monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", cap)
         assert onednn_may_use_amx() is amx, cap
     monkeypatch.delenv("ONEDNN_MAX_CPU_ISA")
+    monkeypatch.setenv(
+        "DNNL_MAX_CPU_ISA", "AVX512_CORE_BF16"
+    )  # the older name, read when the new one is unset
+    assert not onednn_may_use_amx()
+    monkeypatch.delenv("DNNL_MAX_CPU_ISA")
     ops = KernelOps(kernel_ops())
     assert ops.prefill_sdpa == (ops.head_tiles and onednn_may_use_amx())
 

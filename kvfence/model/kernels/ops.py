@@ -100,8 +100,9 @@ class KernelOps:
 
 
 def onednn_may_use_amx() -> bool:
-    """Whether `ONEDNN_MAX_CPU_ISA` leaves oneDNN its AMX kernels (unset, or a cap that names AMX)."""
-    cap = os.environ.get("ONEDNN_MAX_CPU_ISA", "").upper()
+    """Whether `ONEDNN_MAX_CPU_ISA` (or its older name `DNNL_MAX_CPU_ISA`) leaves oneDNN its AMX kernels: unset,
+    or a cap that names AMX."""
+    cap = os.environ.get("ONEDNN_MAX_CPU_ISA", os.environ.get("DNNL_MAX_CPU_ISA", "")).upper()
     return cap in ("", "ALL", "DEFAULT") or "AMX" in cap
 
 
