@@ -138,12 +138,16 @@ void paged_decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor kv
 
   // Work items: each row's context cut into spans of SPAN tokens (the last one shorter). A row of one span is
   // computed and written as a whole; a longer row's spans each leave their unnormalised sums, per-head maxima
-  // and sums of exponentials (`Partial`), merged in span order afterwards (as flash-decoding does). The spans
+  // and sums of exponentials (a partial slot: part_acc, part_max, part_sum), merged in span order afterwards (as
+  // flash-decoding does). The spans
   // depend only on the row's own length, so a row's bits do not depend on the other rows of the step nor on the
   // threads; and one long row (a tenant's 2,000-token request decoding beside eight short ones) is spread over
   // the threads instead of holding one of them for the whole step.
   std::vector<int64_t> item_row, item_t0, item_slot;  // per item: its row, first token, partial slot (-1: none)
   std::vector<int64_t> first_slot(B, -1);
+  item_row.reserve(B);
+  item_t0.reserve(B);
+  item_slot.reserve(B);
   int64_t slots = 0;
   for (int64_t b = 0; b < B; ++b) {
     const int64_t spans = (lens[b] + SPAN - 1) / SPAN;
