@@ -157,20 +157,51 @@ def test_a_newcomers_prompt_goes_before_the_next_chunk_of_a_tenant_at_its_counte
     assert seen[1].get(a.request_id, 0) > 1
 
 
+def test_prompt_work_goes_by_the_counter_after_it_a_short_prompt_before_a_long_chunk(tiny_model):
+    """Prompt work goes by the counter each tenant would have after it (weighted fair queueing's finish time),
+    not by the counter before it. B (weight 4) has just prefilled one request, so its counter is a little above
+    A's; its second request's prompt (24 tokens, 6 after the weight) still finishes before A's next chunk (32):
+    it goes first, and A's chunk waits a step. Ordered by the counters before the work, A's chunk went first and
+    B's first token waited for it (on 2 cores: 200-600 ms per chunk of a long prompt)."""
+    engine = make_engine(tiny_model, policy="vtc", max_num_batched_tokens=64, max_num_seqs=8,
+                         prefill_batch_tokens=32)  # fmt: skip
+    engine.set_tenants({"B": TenantShare(weight=4.0)})
+    vocab = tiny_model.config.vocab_size
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    engine.add_request([(j * 5) % (vocab - 3) + 3 for j in range(200)], params, "a", tenant="A")
+    engine.step()  # A alone
+    engine.add_request([(j * 3) % (vocab - 3) + 3 for j in range(24)], params, "b1", tenant="B")
+    engine.step()  # B's first request (lifted to A's counter, the larger weight wins the tie)
+    a = next(r for r in engine.scheduler.running if r.tenant == "A")
+    counters = engine.scheduler.fairness.counters
+    assert counters["B"] > counters["A"]  # B is the more served now ...
+    engine.add_request([(j * 7) % (vocab - 3) + 3 for j in range(24)], params, "b2", tenant="B")
+    done_before = a.num_computed_tokens
+    engine.step()  # ... but its 24-token prompt finishes first
+    engine.check_integrity()
+    b2 = next(r for r in engine.scheduler.running if r.request_id == "b2")
+    assert b2.num_computed_tokens == 24 and a.num_computed_tokens == done_before
+    engine.step()  # then A's chunk
+    assert a.num_computed_tokens > done_before
+    for _ in steps(engine):
+        pass
+
+
 def test_a_yielded_chunk_preempted_in_the_same_step_is_not_scheduled(tiny_model):
-    """Z's chunk yields to three newcomers; making room for C preempts Z's request (back to waiting, its pages
-    released), and D then fills the step (max_num_seqs). The yielded chunk must not run: scheduled anyway, it
-    leased pages to a waiting request and computed a row the engine then ignored (found by a review of the
-    change; this test failed before the fix). The page check that normally stops C before `_make_room` (the
-    waiting loop's `_may_take`) is waved through here: with the prefix cache a start can still fall short
-    after it, and that is the path under test."""
+    """Z's chunk (92 tokens) yields to newcomers with shorter first chunks; making room for C preempts Z's
+    request (back to waiting, its pages released), and D then fills the step (max_num_seqs), leaving budget.
+    The yielded chunk must not run: scheduled anyway, it leased pages to a waiting request and computed a row
+    the engine then ignored (found by a review of the change; this test failed before the fix). The page check
+    that normally stops C before `_make_room` (the waiting loop's `_may_take`) is waved through here: with the
+    prefix cache a start can still fall short after it, and that is the path under test."""
     engine = make_engine(tiny_model, policy="vtc", kv_pages=56, page_size=4, max_num_batched_tokens=128,
                          max_num_seqs=3, prefill_batch_tokens=0)  # fmt: skip
     vocab = tiny_model.config.vocab_size
     params = SamplingParams(max_tokens=2, ignore_eos=True)
-    engine.add_request([(j * 5) % (vocab - 3) + 3 for j in range(200)], params, "z", tenant="Z")
+    engine.add_request([(j * 5) % (vocab - 3) + 3 for j in range(220)], params, "z", tenant="Z")
     engine.step()  # Z alone: 128 tokens, 32 of the 56 pages
-    for tenant, n in (("B", 8), ("C", 100), ("D", 8)):
+    engine.set_tenants({"D": TenantShare(weight=0.08)})  # after C in the counters' order: 8 / 0.08 > 90
+    for tenant, n in (("B", 8), ("C", 90), ("D", 8)):  # B and C before Z's next chunk (92 tokens)
         engine.add_request(
             [(j * 3 + n) % (vocab - 3) + 3 for j in range(n)], params, tenant.lower(), tenant=tenant
         )

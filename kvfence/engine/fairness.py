@@ -7,7 +7,9 @@ take more pages now (`may_take`), and whose running request to preempt (`victim`
 
 Counters. A tenant's counter is the service it received in weighted tokens: a prompt token computed costs
 `PREFILL_COST`, an output token `DECODE_COST` (the paper's w_p = 1, w_q = 2), divided by the tenant's weight. The
-backlogged tenant with the smallest counter is served first. A tenant that becomes backlogged again is brought
+backlogged tenant with the smallest counter is served first; prompt work goes by the counter after it (the
+counter plus the piece's tokens over the weight: weighted fair queueing's finish time), so a short prompt goes
+before another tenant's long chunk. A tenant that becomes backlogged again is brought
 within the backlogged tenants' range: up to the smallest counter (it cannot bank the service it did not ask for
 while idle) and down to the largest (what it got while nobody else wanted service is no debt). So two backlogged
 tenants' counters stay within a bound set by one step's and one request's work (tests assert it). Prompt tokens
@@ -59,13 +61,13 @@ class PrefillGate:
     fairness)."""
 
     def __init__(self, counters: Mapping[str, float], low: float, chunk: int) -> None:
-        self._counters, self._low, self._chunk = counters, low, chunk
+        self._counters, self._low, self.chunk = counters, low, chunk
         self._used: dict[str, int] = {}
 
     def allowance(self, tenant: str) -> int:
-        if self._counters.get(tenant, self._low) > self._low + self._chunk * PREFILL_COST:
+        if self._counters.get(tenant, self._low) > self._low + self.chunk * PREFILL_COST:
             return 0
-        return max(0, self._chunk - self._used.get(tenant, 0))
+        return max(0, self.chunk - self._used.get(tenant, 0))
 
     def take(self, tenant: str, tokens: int) -> None:
         self._used[tenant] = self._used.get(tenant, 0) + tokens
@@ -124,14 +126,29 @@ class Fairness:
         low = min(self.counters.get(t, 0.0) for t in backlogged)
         return PrefillGate({t: self.counters.get(t, 0.0) for t in backlogged}, low, chunk)
 
-    def next_tenant(self, candidates: Iterable[str], running: Mapping[str, int] | None = None) -> str:
-        """The tenant to serve first among `candidates`: the smallest counter. Ties (a tenant that just got work
-        is lifted to exactly the smallest counter) go to the larger weight, then to the tenant with fewer
-        requests `running`, then by name (deterministic)."""
-        running = running or {}
+    def next_tenant(
+        self,
+        candidates: Iterable[str],
+        running: Mapping[str, int] | None = None,
+        work: Mapping[str, int] | None = None,
+    ) -> str:
+        """The tenant to serve first among `candidates`: the smallest counter, or with `work` (each candidate's
+        next piece of prompt work, in tokens) the smallest counter after it: the virtual finish time of weighted
+        fair queueing, where plain VTC orders by start. A short prompt of a tenant within one piece of work of
+        the smallest counter goes before a long chunk (a request's first token before another tenant's next
+        200-600 ms of prefill on 2 cores), and a heavier tenant's piece weighs less; the lag this allows is one
+        piece of work, which the counters' bound already covers. Ties (a tenant that just got work is lifted to
+        exactly the smallest counter) go to the larger weight, then to the tenant with fewer requests
+        `running`, then by name (deterministic)."""
+        running, work = running or {}, work or {}
         return min(
             candidates,
-            key=lambda t: (self.counters.get(t, 0.0), -self.share(t).weight, running.get(t, 0), t),
+            key=lambda t: (
+                self.counters.get(t, 0.0) + work.get(t, 0) * PREFILL_COST / self.share(t).weight,
+                -self.share(t).weight,
+                running.get(t, 0),
+                t,
+            ),
         )
 
     # ---- pages ----------------------------------------------------------------------------------------

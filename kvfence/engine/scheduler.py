@@ -9,10 +9,13 @@ Each step (`schedule`):
      chunk. If the pool cannot cover them, preempt the request at the back of the running queue (release its
      pages, recompute later) until it can. (`vtc`, several tenants with work) Prompt work goes in counter
      order: a running prompt's next chunk yields to a waiting request of another tenant that the counters put
-     first, and runs after step 2 if the step's prefill still allows it (and it was not preempted meanwhile).
+     first (by the counter after the work, below), and runs after step 2 if the step's prefill still allows it
+     (and it was not preempted meanwhile).
   2. Then waiting requests while the token budget, `max_num_seqs` and free pages allow: in arrival order
-     (`fcfs`), or (`vtc`, the default) the first waiting request of the backlogged tenant with the smallest
-     virtual token counter, skipping a tenant at its page cap (engine/fairness.py). Long prompts
+     (`fcfs`), or (`vtc`, the default) the first waiting request of the backlogged tenant whose virtual token
+     counter would be the smallest after its first chunk (weighted fair queueing's finish time: a short prompt
+     goes before a long chunk of a tenant a little behind), skipping a tenant at its page cap
+     (engine/fairness.py). Long prompts
      are cut into chunks that fit the budget (chunked prefill). New requests never preempt running ones.
      With `prefill_batch_tokens`, a step that already holds prefill tokens takes another request's prefill only
      while the step's prefill tokens stay within it: prefills that would each fill the matmuls on their own run
@@ -121,7 +124,8 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         scheduled: list[Scheduled] = []
         preempted = False
-        gate = self.fairness.prefill_gate(self.backlogged(), self.config.prefill_batch_tokens or budget)
+        chunk = self.config.prefill_batch_tokens or budget  # the most prompt tokens one tenant gets in a step
+        gate = self.fairness.prefill_gate(self.backlogged(), chunk)
         first = self._start_below_share(budget, gate)
         if first is not None:
             scheduled.append(first)
@@ -135,7 +139,7 @@ class Scheduler:
         ):  # decodes first, in arrival order; then prefill chunks, least served tenant first
             counters = self.fairness.counters
             queue.sort(key=lambda r: (r.num_tokens - r.num_computed_tokens > 1, counters.get(r.tenant, 0.0)))
-        yielding = self._yields_to_waiting() if gate is not None else None
+        yielding = self._yields_to_waiting(chunk) if gate is not None else None
         deferred: list[Request] = []  # prompt chunks that yield to another tenant's waiting request
         while queue and budget > 0:
             request = queue.pop(0)
@@ -144,7 +148,7 @@ class Scheduler:
                 num_new = min(num_new, gate.allowance(request.tenant))
                 if num_new == 0:
                     continue  # its tenant is ahead: its prompt waits, its pages stay
-                if yielding is not None and yielding(request.tenant):
+                if yielding is not None and yielding(request, num_new):
                     deferred.append(request)
                     continue
             while not self._grow(request, num_new):
@@ -164,7 +168,7 @@ class Scheduler:
         prefill = sum(s.num_new_tokens for s in scheduled if s.num_new_tokens > 1)  # running prefills' chunks
         capped: set[str] = set()  # tenants that may not take more pages this step
         while self.waiting and budget > 0 and not preempted and len(self.running) < self.config.max_num_seqs:
-            next_request = self._next_waiting(capped)
+            next_request = self._next_waiting(capped, chunk)
             if next_request is None:
                 break
             request = next_request
@@ -209,18 +213,26 @@ class Scheduler:
                 gate.take(request.tenant, num_new)
         return scheduled
 
-    def _yields_to_waiting(self) -> Callable[[str], bool]:
-        """vtc, several tenants with work: whether a running request's next prompt chunk yields this step to a
-        waiting request of another tenant that `Fairness.next_tenant` puts first (a smaller counter, or a tie it
-        wins). Prompt work goes in counter order, whether it is a running prompt's next chunk or a new request:
-        a tenant that just got work (lifted to the smallest counter) has its first token computed before a
-        tenant at the same counter prefills more, instead of after that tenant's chunk (a step of it: 200-600 ms
-        on 2 cores)."""
-        waiting = {r.tenant for r in self.waiting}
+    def _yields_to_waiting(self, chunk: int) -> Callable[[Request, int], bool]:
+        """vtc, several tenants with work: whether a running request's next prompt chunk (of so many tokens)
+        yields this step to a waiting request of another tenant that `Fairness.next_tenant` puts first, each
+        tenant by the counter it would have after its piece of prompt work (a chunk: at most `chunk` tokens)."""
         running = self.running_per_tenant()
-        return lambda tenant: any(  # the same order as the waiting requests' (ties included)
-            t != tenant and self.fairness.next_tenant({t, tenant}, running) == t for t in waiting
+        first = self._first_waiting_work(chunk)
+        return lambda request, tokens: any(
+            t != request.tenant
+            and self.fairness.next_tenant({t, request.tenant}, running, {**first, request.tenant: tokens})
+            == t
+            for t in first
         )
+
+    def _first_waiting_work(self, chunk: int) -> dict[str, int]:
+        """Each waiting tenant's next piece of prompt work: its oldest waiting request's first chunk, in tokens."""
+        work: dict[str, int] = {}
+        for r in self.waiting:
+            if r.tenant not in work:
+                work[r.tenant] = min(r.num_tokens - r.num_computed_tokens, chunk)
+        return work
 
     def _start_below_share(self, budget: int, gate: PrefillGate | None) -> Scheduled | None:
         """vtc, before the running requests: when the pool cannot hold the first chunk of the next waiting request
@@ -230,7 +242,7 @@ class Scheduler:
         first, the pages made for it are its own. None: nothing to do here (the usual order applies)."""
         if not self.fairness.enabled or not self.waiting or len(self.running) >= self.config.max_num_seqs:
             return None
-        request = self._next_waiting(set())
+        request = self._next_waiting(set(), budget if gate is None else gate.chunk)
         if request is None:
             return None
         num_new = min(request.num_tokens, budget, budget if gate is None else gate.allowance(request.tenant))
@@ -250,15 +262,17 @@ class Scheduler:
         self.running.append(request)
         return Scheduled(request, started)
 
-    def _next_waiting(self, capped: set[str]) -> Request | None:
-        """The waiting request to start next: the oldest (fcfs), or the oldest of the tenant with the smallest
-        counter (vtc) among tenants not capped this step."""
+    def _next_waiting(self, capped: set[str], chunk: int) -> Request | None:
+        """The waiting request to start next: the oldest (fcfs), or (vtc) the oldest of the tenant among those not
+        capped this step that `Fairness.next_tenant` puts first, by the counter it would have after its first
+        chunk (at most `chunk` tokens)."""
         if not self.fairness.enabled:
             return self.waiting[0]
-        tenants = {r.tenant for r in self.waiting} - capped
+        work = self._first_waiting_work(chunk)
+        tenants = set(work) - capped
         if not tenants:
             return None
-        tenant = self.fairness.next_tenant(tenants, self.running_per_tenant())
+        tenant = self.fairness.next_tenant(tenants, self.running_per_tenant(), work)
         return next(r for r in self.waiting if r.tenant == tenant)
 
     def _may_take(self, request: Request, pages: int) -> bool:
