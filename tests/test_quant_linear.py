@@ -232,7 +232,7 @@ def test_panel_linear_vector_path_equals_the_scalar_one(kind, levels):
     rng = np.random.default_rng(11)
     for k, n in ((32, 1), (96, 17), (576, 48), (64, 37)):
         panels, _ = panels_of(rng.standard_normal((n, k)).astype(np.float32) * 0.05, kind)
-        for rows in (1, 2, 3, 4, 5, 9, 17):
+        for rows in (1, 2, 3, 4, 5, 6, 9, 11, 16, 17):
             x = torch.from_numpy(rng.standard_normal((rows, k)).astype(np.float32)).bfloat16()
             x[rows // 2, k // 3] = float("nan")
             x[-1] *= 1e-36  # blocks below MIN_AMAX: flushed to zero by both
