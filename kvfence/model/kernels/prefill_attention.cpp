@@ -3,9 +3,13 @@
 // Query i of a chunk of Lq sees keys 0 .. Lk - Lq + i. Each KV head's K and V are packed once, before any query
 // runs: K in blocks of 16 keys, each 32-bit lane a bfloat16 pair of dims of one key (one dpbf16: 16 keys' partial
 // dots); V in pairs of keys, each lane one dim of two keys (one dpbf16: 16 dims of two keys' weighted sum).
-// Queries go two at a time, so one load of K or V feeds both. Softmax in float32; the probabilities are rounded
-// to bfloat16 for the weighted sum of V (as flash attention does on GPUs), except a key whose pair partner the
-// query does not see, which goes through float32 on its own. Scores are computed in whole blocks of 16 keys,
+// Queries go four at a time (consecutive positions of one head), so one load of K or V feeds four multiplies;
+// the packed K and V and the score rows start on 64-byte boundaries. Softmax in float32; the probabilities are
+// rounded to bfloat16 for the weighted sum of V (as flash attention does on GPUs), except the keys past the
+// pairs that every query of the tile sees, which go through float32 one at a time. At 256 queries x 1,792 keys
+// of SmolLM2 this runs at about 85% of the CPU's dpbf16 rate on an AMD Zen4 (1.76e9 a core a second): 6.0-6.3
+// -> 5.2-5.6 ms over two queries a tile on unaligned buffers (session 23), which also ran 1.6x slower in some
+// processes, as the allocation fell. Scores are computed in whole blocks of 16 keys,
 // past what a query sees, and thrown away: no unseen key's probability or value enters a query's sum. The
 // work is split in units of one head and two tiles from opposite ends of the chunk, which cost about the same
 // under the causal mask, so two threads get equal shares of 9 heads (docs/performance.md, session 8).
@@ -17,48 +21,60 @@ namespace kvfence {
 namespace {
 
 constexpr int64_t KEY_BLOCK = 16;
+constexpr int64_t QT = 4;  // queries per tile: consecutive positions of one head
+
+// `n` zeroed values in `buf`, starting at a 64-byte boundary: every 512-bit load of packed K and V, and of the
+// scores, stays within one cache line (a large vector's data starts 16 bytes past a page, so half its loads
+// crossed two lines).
+template <class T>
+T* aligned_zeros(std::vector<T>& buf, int64_t n) {
+  buf.assign(n + 64 / sizeof(T), T{});
+  const auto at = reinterpret_cast<std::uintptr_t>(buf.data());
+  return buf.data() + ((64 - at % 64) % 64) / sizeof(T);
+}
 
 #if defined(__AVX512BF16__)
-// Scores (times `scale`) of two queries against keys [0, 16 * nblk) of packed K; four blocks per pass.
-inline void score_two(float* s0, float* s1, const uint16_t* q0, const uint16_t* q1, const uint32_t* kp, int64_t D2,
-                      int64_t nblk, float scale) {
+// Scores (times `scale`) of QT queries against keys [0, 16 * nblk) of packed K; four blocks per pass, so one load
+// of K feeds QT multiplies (16 accumulators).
+inline void score_tile(float* const* s, const uint16_t* const* q, const uint32_t* kp, int64_t D2, int64_t nblk,
+                       float scale) {
   const __m512 sv = _mm512_set1_ps(scale);
+  auto broadcast = [&](__m512bh* x, int64_t d2) {
+    for (int64_t r = 0; r < QT; ++r) {
+      uint32_t p;
+      std::memcpy(&p, q[r] + 2 * d2, sizeof(p));
+      x[r] = (__m512bh)_mm512_set1_epi32(static_cast<int>(p));
+    }
+  };
   int64_t b = 0;
   for (; b + 4 <= nblk; b += 4) {
-    __m512 a[8];
-    for (auto& r : a) r = _mm512_setzero_ps();
+    __m512 a[QT][4];
+    for (auto& row : a)
+      for (auto& v : row) v = _mm512_setzero_ps();
     const uint32_t* base = kp + b * D2 * KEY_BLOCK;
     for (int64_t d2 = 0; d2 < D2; ++d2) {
-      uint32_t p0, p1;
-      std::memcpy(&p0, q0 + 2 * d2, sizeof(p0));
-      std::memcpy(&p1, q1 + 2 * d2, sizeof(p1));
-      const __m512bh x0 = (__m512bh)_mm512_set1_epi32(static_cast<int>(p0));
-      const __m512bh x1 = (__m512bh)_mm512_set1_epi32(static_cast<int>(p1));
+      __m512bh x[QT];
+      broadcast(x, d2);
       const uint32_t* kd = base + d2 * KEY_BLOCK;
       for (int64_t t = 0; t < 4; ++t) {
         const __m512bh kv = (__m512bh)_mm512_loadu_si512(kd + t * D2 * KEY_BLOCK);
-        a[t] = _mm512_dpbf16_ps(a[t], x0, kv);
-        a[4 + t] = _mm512_dpbf16_ps(a[4 + t], x1, kv);
+        for (int64_t r = 0; r < QT; ++r) a[r][t] = _mm512_dpbf16_ps(a[r][t], x[r], kv);
       }
     }
-    for (int64_t t = 0; t < 4; ++t) {
-      _mm512_storeu_ps(s0 + (b + t) * KEY_BLOCK, _mm512_mul_ps(a[t], sv));
-      _mm512_storeu_ps(s1 + (b + t) * KEY_BLOCK, _mm512_mul_ps(a[4 + t], sv));
-    }
+    for (int64_t r = 0; r < QT; ++r)
+      for (int64_t t = 0; t < 4; ++t) _mm512_storeu_ps(s[r] + (b + t) * KEY_BLOCK, _mm512_mul_ps(a[r][t], sv));
   }
   for (; b < nblk; ++b) {
-    __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
+    __m512 a[QT];
+    for (auto& v : a) v = _mm512_setzero_ps();
     const uint32_t* base = kp + b * D2 * KEY_BLOCK;
     for (int64_t d2 = 0; d2 < D2; ++d2) {
-      uint32_t p0, p1;
-      std::memcpy(&p0, q0 + 2 * d2, sizeof(p0));
-      std::memcpy(&p1, q1 + 2 * d2, sizeof(p1));
+      __m512bh x[QT];
+      broadcast(x, d2);
       const __m512bh kv = (__m512bh)_mm512_loadu_si512(base + d2 * KEY_BLOCK);
-      a0 = _mm512_dpbf16_ps(a0, (__m512bh)_mm512_set1_epi32(static_cast<int>(p0)), kv);
-      a1 = _mm512_dpbf16_ps(a1, (__m512bh)_mm512_set1_epi32(static_cast<int>(p1)), kv);
+      for (int64_t r = 0; r < QT; ++r) a[r] = _mm512_dpbf16_ps(a[r], x[r], kv);
     }
-    _mm512_storeu_ps(s0 + b * KEY_BLOCK, _mm512_mul_ps(a0, sv));
-    _mm512_storeu_ps(s1 + b * KEY_BLOCK, _mm512_mul_ps(a1, sv));
+    for (int64_t r = 0; r < QT; ++r) _mm512_storeu_ps(s[r] + b * KEY_BLOCK, _mm512_mul_ps(a[r], sv));
   }
 }
 
@@ -74,18 +90,17 @@ inline float softmax_pairs(float* s, int64_t n, uint32_t* pp) {
   return inv;
 }
 
-// acc{0,1}[c] (16 dims each, c < C) += the weighted sums of V over key pairs [0, pairs) of packed V (vp, Dh dims).
+// acc[r][c] (16 dims each, c < C <= 4) += query r's weighted sum of V over key pairs [0, pairs) of packed V (vp,
+// Dh dims): one load of V feeds QT multiplies.
 template <int64_t C>
-inline void weigh_pairs(__m512* acc0, __m512* acc1, const uint32_t* pp0, const uint32_t* pp1, const uint32_t* vp,
-                        int64_t Dh, int64_t pairs) {
+inline void weigh_tile(__m512 (*acc)[4], const uint32_t* const* pp, const uint32_t* vp, int64_t Dh, int64_t pairs) {
   for (int64_t jp = 0; jp < pairs; ++jp) {
-    const __m512bh x0 = (__m512bh)_mm512_set1_epi32(static_cast<int>(pp0[jp]));
-    const __m512bh x1 = (__m512bh)_mm512_set1_epi32(static_cast<int>(pp1[jp]));
+    __m512bh x[QT];
+    for (int64_t r = 0; r < QT; ++r) x[r] = (__m512bh)_mm512_set1_epi32(static_cast<int>(pp[r][jp]));
     const uint32_t* v = vp + jp * Dh;
     for (int64_t c = 0; c < C; ++c) {
       const __m512bh vv = (__m512bh)_mm512_loadu_si512(v + 16 * c);
-      acc0[c] = _mm512_dpbf16_ps(acc0[c], x0, vv);
-      acc1[c] = _mm512_dpbf16_ps(acc1[c], x1, vv);
+      for (int64_t r = 0; r < QT; ++r) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], x[r], vv);
     }
   }
 }
@@ -121,7 +136,9 @@ void prefill_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k, torc
   auto o_row = [&](int64_t i, int64_t h) { return ob + i * out.stride(0) + h * out.stride(1); };
 #if defined(__AVX512BF16__)
   // K as [block][dim pair][key in block], V as [key pair][dim]: 32-bit bfloat16 pairs, zero past Lk
-  std::vector<uint32_t> kp(Hkv * nblk_all * D2 * KEY_BLOCK, 0u), vp(Hkv * npair_all * Dh, 0u);
+  std::vector<uint32_t> kbuf, vbuf;
+  uint32_t* kp = aligned_zeros(kbuf, Hkv * nblk_all * D2 * KEY_BLOCK);
+  uint32_t* vp = aligned_zeros(vbuf, Hkv * npair_all * Dh);
   at::parallel_for(0, Hkv, 1, [&](int64_t begin, int64_t end) {
     for (int64_t kh = begin; kh < end; ++kh) {
       uint32_t* kd = &kp[kh * nblk_all * D2 * KEY_BLOCK];
@@ -138,50 +155,59 @@ void prefill_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k, torc
       }
     }
   });
-  // tiles of two queries (the last alone when Lq is odd, computed twice); unit u of a head: tiles u, T - 1 - u
-  const int64_t T = (Lq + 1) / 2, per_head = (T + 1) / 2;
+  // tiles of QT queries (the last query repeated to fill the last tile); unit u of a head: tiles u, T - 1 - u
+  const int64_t T = (Lq + QT - 1) / QT, per_head = (T + 1) / 2, stride_s = nblk_all * KEY_BLOCK;
+  const int64_t stride_p = (npair_all + 31) / 16 * 16;  // 64-byte rows, room past the last pair
   at::parallel_for(0, H * per_head, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> s0(nblk_all * KEY_BLOCK), s1(nblk_all * KEY_BLOCK);
-    std::vector<uint32_t> pp0(npair_all + 16), pp1(npair_all + 16);
+    std::vector<float> sbuf;
+    std::vector<uint32_t> pbuf;
+    float* s0 = aligned_zeros(sbuf, QT * stride_s);
+    uint32_t* p0 = aligned_zeros(pbuf, QT * stride_p);
+    float* s[QT];
+    uint32_t* pp[QT];
+    for (int64_t r = 0; r < QT; ++r) s[r] = s0 + r * stride_s, pp[r] = p0 + r * stride_p;
     for (int64_t unit = begin; unit < end; ++unit) {
       const int64_t h = unit / per_head, kh = h / G, u = unit % per_head;
       const uint32_t* kd = &kp[kh * nblk_all * D2 * KEY_BLOCK];
       const uint32_t* vd = &vp[kh * npair_all * Dh];
       const int64_t tiles[2] = {u, T - 1 - u};  // u <= T - 1 - u; equal for the middle tile of an odd T
       for (int64_t t = 0; t < (tiles[1] == u ? 1 : 2); ++t) {
-        const int64_t tile = tiles[t];
-        const int64_t i0 = 2 * tile, i1 = std::min(i0 + 1, Lq - 1);
-        const int64_t n0 = offset + i0 + 1, n1 = offset + i1 + 1;  // keys each sees (n1 >= n0)
-        score_two(s0.data(), s1.data(), q_row(i0, h), q_row(i1, h), kd, D2, (n1 + KEY_BLOCK - 1) / KEY_BLOCK, fscale);
-        const float inv0 = softmax_pairs(s0.data(), n0, pp0.data());
-        const float inv1 = softmax_pairs(s1.data(), n1, pp1.data());
-        const int64_t pairs = n0 / 2;  // whole pairs both queries see
-        for (int64_t c0 = 0; c0 < Dh; c0 += 128) {  // 128 dims (8 vectors per query) at a time in registers
-          const int64_t C = std::min<int64_t>(8, (Dh - c0) / 16);
-          __m512 a0[8], a1[8];
-          for (int64_t c = 0; c < 8; ++c) a0[c] = a1[c] = _mm512_setzero_ps();
+        int64_t i[QT], n[QT];  // queries, and the keys each sees (n[0] <= ... <= n[QT - 1])
+        const uint16_t* qr[QT];
+        float inv[QT];
+        for (int64_t r = 0; r < QT; ++r) {
+          i[r] = std::min(tiles[t] * QT + r, Lq - 1);
+          n[r] = offset + i[r] + 1;
+          qr[r] = q_row(i[r], h);
+        }
+        score_tile(s, qr, kd, D2, (n[QT - 1] + KEY_BLOCK - 1) / KEY_BLOCK, fscale);
+        for (int64_t r = 0; r < QT; ++r) inv[r] = softmax_pairs(s[r], n[r], pp[r]);
+        const int64_t pairs = n[0] / 2;  // whole pairs every query sees
+        for (int64_t c0 = 0; c0 < Dh; c0 += 64) {  // 64 dims (4 vectors per query) at a time in registers
+          const int64_t C = std::min<int64_t>(4, (Dh - c0) / 16);
+          __m512 a[QT][4];
+          for (auto& row : a)
+            for (auto& v : row) v = _mm512_setzero_ps();
           switch (C) {
-#define KVFENCE_PAIRS(N) case N: weigh_pairs<N>(a0, a1, pp0.data(), pp1.data(), vd + c0, Dh, pairs); break;
-            KVFENCE_PAIRS(1) KVFENCE_PAIRS(2) KVFENCE_PAIRS(3) KVFENCE_PAIRS(4)
-            KVFENCE_PAIRS(5) KVFENCE_PAIRS(6) KVFENCE_PAIRS(7) KVFENCE_PAIRS(8)
-#undef KVFENCE_PAIRS
+            case 1: weigh_tile<1>(a, pp, vd + c0, Dh, pairs); break;
+            case 2: weigh_tile<2>(a, pp, vd + c0, Dh, pairs); break;
+            case 3: weigh_tile<3>(a, pp, vd + c0, Dh, pairs); break;
+            default: weigh_tile<4>(a, pp, vd + c0, Dh, pairs); break;
           }
-          // the keys past the shared pairs, one at a time in float32: at most one for query 0, two for query 1
-          for (int64_t j = 2 * pairs; j < n1; ++j) {
+          // the keys past the shared pairs, one at a time in float32 (at most QT + 1), for the queries that see them
+          for (int64_t j = 2 * pairs; j < n[QT - 1]; ++j) {
             const uint16_t* vr = v_row(j, kh) + c0;
-            const __m512 p0 = _mm512_set1_ps(j < n0 ? s0[j] : 0.0f), p1 = _mm512_set1_ps(s1[j]);
             for (int64_t c = 0; c < C; ++c) {
               const __m512 vv = load_bf16x16(vr + 16 * c);
-              if (j < n0) a0[c] = _mm512_fmadd_ps(p0, vv, a0[c]);
-              a1[c] = _mm512_fmadd_ps(p1, vv, a1[c]);
+              for (int64_t r = 0; r < QT; ++r)
+                if (j < n[r]) a[r][c] = _mm512_fmadd_ps(_mm512_set1_ps(s[r][j]), vv, a[r][c]);
             }
           }
-          const __m512 iv0 = _mm512_set1_ps(inv0), iv1 = _mm512_set1_ps(inv1);
-          for (int64_t c = 0; c < C; ++c) {
-            _mm256_storeu_si256(reinterpret_cast<__m256i*>(o_row(i0, h) + c0 + 16 * c),
-                                (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(a0[c], iv0)));
-            _mm256_storeu_si256(reinterpret_cast<__m256i*>(o_row(i1, h) + c0 + 16 * c),
-                                (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(a1[c], iv1)));
+          for (int64_t r = 0; r < QT; ++r) {
+            const __m512 iv = _mm512_set1_ps(inv[r]);
+            for (int64_t c = 0; c < C; ++c)
+              _mm256_storeu_si256(reinterpret_cast<__m256i*>(o_row(i[r], h) + c0 + 16 * c),
+                                  (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(a[r][c], iv)));
           }
         }
       }
