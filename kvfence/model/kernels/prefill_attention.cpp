@@ -6,10 +6,10 @@
 // Queries go four at a time (consecutive positions of one head), so one load of K or V feeds four multiplies;
 // the packed K and V and the score rows start on 64-byte boundaries. Softmax in float32; the probabilities are
 // rounded to bfloat16 for the weighted sum of V (as flash attention does on GPUs), except the keys past the
-// pairs that every query of the tile sees, which go through float32 one at a time. At 256 queries x 1,792 keys
-// of SmolLM2 this runs at about 85% of the CPU's dpbf16 rate on an AMD Zen4 (1.76e9 a core a second): 6.0-6.3
-// -> 5.2-5.6 ms over two queries a tile on unaligned buffers (session 23), which also ran 1.6x slower in some
-// processes, as the allocation fell. Scores are computed in whole blocks of 16 keys,
+// pairs that every query of the tile sees, which go through float32 one at a time. Session 23, AMD Zen4, 256
+// queries x 1,792 keys of SmolLM2: 5.0-5.1 ms -> 3.2-3.5 ms, about 65% of the two cores' dpbf16 rate (3.6e9 a
+// core a second); most of it from keeping the sums of V in registers (`weigh_tile`), the rest from four queries a
+// tile and aligned buffers (unaligned, some processes ran 1.6x slower, as the allocation fell). Scores are computed in whole blocks of 16 keys,
 // past what a query sees, and thrown away: no unseen key's probability or value enters a query's sum. The
 // work is split in units of one head and two tiles from opposite ends of the chunk, which cost about the same
 // under the causal mask, so two threads get equal shares of 9 heads (docs/performance.md, session 8).
@@ -92,17 +92,26 @@ inline float softmax_pairs(float* s, int64_t n, uint32_t* pp) {
 
 // acc[r][c] (16 dims each, c < C <= 4) += query r's weighted sum of V over key pairs [0, pairs) of packed V (vp,
 // Dh dims): one load of V feeds QT multiplies.
+// The sums stay in a local array: __m512 may alias anything, so sums kept behind `acc` would go through memory
+// after every store the compiler cannot rule out (that made this loop 2.5x slower than the scores').
 template <int64_t C>
 inline void weigh_tile(__m512 (*acc)[4], const uint32_t* const* pp, const uint32_t* vp, int64_t Dh, int64_t pairs) {
+  __m512 a[QT][C];
+  for (int64_t r = 0; r < QT; ++r)
+    for (int64_t c = 0; c < C; ++c) a[r][c] = acc[r][c];
+  const uint32_t* p[QT];
+  for (int64_t r = 0; r < QT; ++r) p[r] = pp[r];
   for (int64_t jp = 0; jp < pairs; ++jp) {
     __m512bh x[QT];
-    for (int64_t r = 0; r < QT; ++r) x[r] = (__m512bh)_mm512_set1_epi32(static_cast<int>(pp[r][jp]));
+    for (int64_t r = 0; r < QT; ++r) x[r] = (__m512bh)_mm512_set1_epi32(static_cast<int>(p[r][jp]));
     const uint32_t* v = vp + jp * Dh;
     for (int64_t c = 0; c < C; ++c) {
       const __m512bh vv = (__m512bh)_mm512_loadu_si512(v + 16 * c);
-      for (int64_t r = 0; r < QT; ++r) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], x[r], vv);
+      for (int64_t r = 0; r < QT; ++r) a[r][c] = _mm512_dpbf16_ps(a[r][c], x[r], vv);
     }
   }
+  for (int64_t r = 0; r < QT; ++r)
+    for (int64_t c = 0; c < C; ++c) acc[r][c] = a[r][c];
 }
 #endif
 
