@@ -171,7 +171,7 @@ def test_prompt_work_goes_by_the_counter_after_it_a_short_prompt_before_a_long_c
     engine.add_request([(j * 5) % (vocab - 3) + 3 for j in range(200)], params, "a", tenant="A")
     engine.step()  # A alone
     engine.add_request([(j * 3) % (vocab - 3) + 3 for j in range(24)], params, "b1", tenant="B")
-    engine.step()  # B's first request (lifted to A's counter, the larger weight wins the tie)
+    engine.step()  # B's first request (lifted to A's counter; its prompt finishes before A's chunk)
     a = next(r for r in engine.scheduler.running if r.tenant == "A")
     counters = engine.scheduler.fairness.counters
     assert counters["B"] > counters["A"]  # B is the more served now ...
@@ -185,6 +185,38 @@ def test_prompt_work_goes_by_the_counter_after_it_a_short_prompt_before_a_long_c
     assert a.num_computed_tokens > done_before
     for _ in steps(engine):
         pass
+
+
+def test_prompt_work_is_ranked_only_among_tenants_the_gate_lets_prefill(tiny_model):
+    """The finish-time order ranks only tenants the prefill gate lets prefill. T is more than a chunk ahead of
+    X, the least served, but its 16-token prompt finishes before X's chunk (X's weight is 0.25). Ranked anyway
+    (found by a review; this test failed before the fix), X's chunk yielded to T, the gate refused T, and X's
+    chunk, deferred behind U's, no longer fit --prefill-batch-tokens: the least served tenant got nothing."""
+    engine = make_engine(tiny_model, policy="vtc", max_num_batched_tokens=64, max_num_seqs=8,
+                         prefill_batch_tokens=32)  # fmt: skip
+    engine.set_tenants({"X": TenantShare(weight=0.25)})
+    vocab = tiny_model.config.vocab_size
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    engine.add_request([(j * 5) % (vocab - 3) + 3 for j in range(200)], params, "x", tenant="X")
+    engine.add_request([(j * 7) % (vocab - 3) + 3 for j in range(200)], params, "u", tenant="U")
+    scheduler = engine.scheduler
+    while len(scheduler.running) < 2:
+        engine.step()  # both prompts started, neither done
+    assert all(r.num_computed_tokens < 100 for r in scheduler.running)
+    scheduler.fairness.activate = lambda tenant, backlogged: None  # keep the counters set below
+    engine.add_request([(j * 3) % (vocab - 3) + 3 for j in range(16)], params, "t", tenant="T")
+    scheduler.fairness.counters.update({"X": 0.0, "U": 10.0, "T": 40.0})  # T: gated (40 > 0 + 32)
+    seen, real = [], scheduler.schedule
+
+    def recording():
+        out = real()
+        seen.append({s.request.request_id: s.num_new_tokens for s in out})
+        return out
+
+    scheduler.schedule = recording
+    engine.step()
+    engine.check_integrity()
+    assert seen[0] == {"x": 32, "u": 32}, seen[0]
 
 
 def test_a_yielded_chunk_preempted_in_the_same_step_is_not_scheduled(tiny_model):

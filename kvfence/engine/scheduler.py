@@ -139,7 +139,7 @@ class Scheduler:
         ):  # decodes first, in arrival order; then prefill chunks, least served tenant first
             counters = self.fairness.counters
             queue.sort(key=lambda r: (r.num_tokens - r.num_computed_tokens > 1, counters.get(r.tenant, 0.0)))
-        yielding = self._yields_to_waiting(chunk) if gate is not None else None
+        yielding = self._yields_to_waiting(chunk, gate) if gate is not None else None
         deferred: list[Request] = []  # prompt chunks that yield to another tenant's waiting request
         while queue and budget > 0:
             request = queue.pop(0)
@@ -168,7 +168,7 @@ class Scheduler:
         prefill = sum(s.num_new_tokens for s in scheduled if s.num_new_tokens > 1)  # running prefills' chunks
         capped: set[str] = set()  # tenants that may not take more pages this step
         while self.waiting and budget > 0 and not preempted and len(self.running) < self.config.max_num_seqs:
-            next_request = self._next_waiting(capped, chunk)
+            next_request = self._next_waiting(capped, chunk, gate)
             if next_request is None:
                 break
             request = next_request
@@ -213,12 +213,14 @@ class Scheduler:
                 gate.take(request.tenant, num_new)
         return scheduled
 
-    def _yields_to_waiting(self, chunk: int) -> Callable[[Request, int], bool]:
+    def _yields_to_waiting(self, chunk: int, gate: PrefillGate) -> Callable[[Request, int], bool]:
         """vtc, several tenants with work: whether a running request's next prompt chunk (of so many tokens)
         yields this step to a waiting request of another tenant that `Fairness.next_tenant` puts first, each
-        tenant by the counter it would have after its piece of prompt work (a chunk: at most `chunk` tokens)."""
+        tenant by the counter it would have after its piece of prompt work (a chunk: at most `chunk` tokens).
+        Only to a tenant the gate lets prefill: one more than a chunk ahead would not start, and the chunk it
+        displaced could be the least served tenant's."""
         running = self.running_per_tenant()
-        first = self._first_waiting_work(chunk)
+        first = self._first_waiting_work(chunk, gate)
         return lambda request, tokens: any(
             t != request.tenant
             and self.fairness.next_tenant({t, request.tenant}, running, {**first, request.tenant: tokens})
@@ -226,11 +228,13 @@ class Scheduler:
             for t in first
         )
 
-    def _first_waiting_work(self, chunk: int) -> dict[str, int]:
-        """Each waiting tenant's next piece of prompt work: its oldest waiting request's first chunk, in tokens."""
+    def _first_waiting_work(self, chunk: int, gate: PrefillGate | None) -> dict[str, int]:
+        """Each waiting tenant's next piece of prompt work: its oldest waiting request's first chunk, in tokens;
+        only tenants the gate lets prefill this step (all without a gate)."""
+        chunk = min(chunk, self.config.max_num_batched_tokens)
         work: dict[str, int] = {}
         for r in self.waiting:
-            if r.tenant not in work:
+            if r.tenant not in work and (gate is None or gate.allowance(r.tenant) > 0):
                 work[r.tenant] = min(r.num_tokens - r.num_computed_tokens, chunk)
         return work
 
@@ -242,7 +246,7 @@ class Scheduler:
         first, the pages made for it are its own. None: nothing to do here (the usual order applies)."""
         if not self.fairness.enabled or not self.waiting or len(self.running) >= self.config.max_num_seqs:
             return None
-        request = self._next_waiting(set(), budget if gate is None else gate.chunk)
+        request = self._next_waiting(set(), budget if gate is None else gate.chunk, gate)
         if request is None:
             return None
         num_new = min(request.num_tokens, budget, budget if gate is None else gate.allowance(request.tenant))
@@ -262,13 +266,15 @@ class Scheduler:
         self.running.append(request)
         return Scheduled(request, started)
 
-    def _next_waiting(self, capped: set[str], chunk: int) -> Request | None:
+    def _next_waiting(self, capped: set[str], chunk: int, gate: PrefillGate | None) -> Request | None:
         """The waiting request to start next: the oldest (fcfs), or (vtc) the oldest of the tenant among those not
-        capped this step that `Fairness.next_tenant` puts first, by the counter it would have after its first
-        chunk (at most `chunk` tokens)."""
+        capped this step and let prefill by the gate that `Fairness.next_tenant` puts first, by the counter it
+        would have after its first chunk (at most `chunk` tokens). None: no such tenant. (Ranked among gated
+        tenants too, a short prompt of a tenant more than a chunk ahead came first, was refused, and its turn
+        ended the step's new prefills before a request of the least served tenant.)"""
         if not self.fairness.enabled:
             return self.waiting[0]
-        work = self._first_waiting_work(chunk)
+        work = self._first_waiting_work(chunk, gate)
         tenants = set(work) - capped
         if not tenants:
             return None
