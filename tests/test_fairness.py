@@ -54,6 +54,20 @@ def steps(engine, limit: int = 400):
         yield engine
 
 
+def record_steps(scheduler: Any) -> list[dict[Any, int]]:
+    """From now on, each step's schedule as {request id: tokens}, appended to the returned list."""
+    seen: list[dict[Any, int]] = []
+    real = scheduler.schedule
+
+    def recording():
+        out = real()
+        seen.append({s.request.request_id: s.num_new_tokens for s in out})
+        return out
+
+    scheduler.schedule = recording
+    return seen
+
+
 # ---- virtual token counters ----------------------------------------------------------------------------
 
 
@@ -140,14 +154,7 @@ def test_a_newcomers_prompt_goes_before_the_next_chunk_of_a_tenant_at_its_counte
     done_before = a.num_computed_tokens
     assert 0 < done_before < 200
     engine.add_request([(j * 3) % (vocab - 3) + 3 for j in range(24)], params, "b", tenant="B")
-    seen, real = [], engine.scheduler.schedule
-
-    def recording():
-        out = real()
-        seen.append({s.request.request_id: s.num_new_tokens for s in out})
-        return out
-
-    engine.scheduler.schedule = recording
+    seen = record_steps(engine.scheduler)
     engine.step()
     engine.check_integrity()
     b_id = next(r.request_id for r in engine.scheduler.running if r.tenant == "B")
@@ -206,14 +213,7 @@ def test_prompt_work_is_ranked_only_among_tenants_the_gate_lets_prefill(tiny_mod
     scheduler.fairness.activate = lambda tenant, backlogged: None  # keep the counters set below
     engine.add_request([(j * 3) % (vocab - 3) + 3 for j in range(16)], params, "t", tenant="T")
     scheduler.fairness.counters.update({"X": 0.0, "U": 10.0, "T": 40.0})  # T: gated (40 > 0 + 32)
-    seen, real = [], scheduler.schedule
-
-    def recording():
-        out = real()
-        seen.append({s.request.request_id: s.num_new_tokens for s in out})
-        return out
-
-    scheduler.schedule = recording
+    seen = record_steps(scheduler)
     engine.step()
     engine.check_integrity()
     assert seen[0] == {"x": 32, "u": 32}, seen[0]
