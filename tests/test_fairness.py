@@ -194,6 +194,36 @@ def test_prompt_work_goes_by_the_counter_after_it_a_short_prompt_before_a_long_c
         pass
 
 
+def test_running_prompts_go_by_the_counter_after_their_chunk_a_short_remainder_first(tiny_model):
+    """Running prompts' chunks are ordered among themselves as waiting requests are: by the counter after the
+    chunk. B (weight 4) got a 32-token chunk of its 40-token prompt, so its counter is above A's; its last 8
+    tokens (2 after the weight) still finish before A's next chunk (32) and go first, and A's chunk takes what
+    is left of the step. Ordered by the counters before the work, A's chunk took the whole step and B's first
+    token waited for it (found in bench/noisy_engine.py's step log: B's last request of its first wave waited
+    450 ms on 2 cores)."""
+    engine = make_engine(tiny_model, policy="vtc", max_num_batched_tokens=32, max_num_seqs=8,
+                         prefill_batch_tokens=32)  # fmt: skip
+    engine.set_tenants({"B": TenantShare(weight=4.0)})
+    vocab = tiny_model.config.vocab_size
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    engine.add_request([(j * 5) % (vocab - 3) + 3 for j in range(200)], params, "a", tenant="A")
+    engine.step()  # A alone: its first chunk
+    engine.add_request([(j * 3) % (vocab - 3) + 3 for j in range(40)], params, "b", tenant="B")
+    engine.step()  # B's first chunk (it finishes first: 32 / 4 after A's counter, against A's 32)
+    scheduler = engine.scheduler
+    a, b = (next(r for r in scheduler.running if r.request_id == rid) for rid in ("a", "b"))
+    assert b.num_computed_tokens == 32 and a.num_computed_tokens == 32
+    counters = scheduler.fairness.counters
+    assert counters["B"] > counters["A"]  # B is the more served now ...
+    seen = record_steps(scheduler)
+    engine.step()  # ... but its last 8 tokens finish first
+    engine.check_integrity()
+    assert seen[0] == {"b": 8, "a": 24}, seen[0]
+    assert b.num_computed_tokens == 40 and len(b.output_token_ids) == 1
+    for _ in steps(engine):
+        pass
+
+
 def test_prompt_work_is_ranked_only_among_tenants_the_gate_lets_prefill(tiny_model):
     """The finish-time order ranks only tenants the prefill gate lets prefill. T is more than a chunk ahead of
     X, the least served, but its 16-token prompt finishes before X's chunk (X's weight is 0.25). Ranked anyway

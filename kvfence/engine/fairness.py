@@ -126,6 +126,11 @@ class Fairness:
         low = min(self.counters.get(t, 0.0) for t in backlogged)
         return PrefillGate({t: self.counters.get(t, 0.0) for t in backlogged}, low, chunk)
 
+    def finish(self, tenant: str, tokens: int) -> float:
+        """The counter `tenant` would have after `tokens` more prompt tokens: the virtual finish time of that
+        piece of work under weighted fair queueing (its start time is the counter itself)."""
+        return self.counters.get(tenant, 0.0) + tokens * PREFILL_COST / self.share(tenant).weight
+
     def next_tenant(
         self,
         candidates: Iterable[str],
@@ -144,7 +149,7 @@ class Fairness:
         return min(
             candidates,
             key=lambda t: (
-                self.counters.get(t, 0.0) + work.get(t, 0) * PREFILL_COST / self.share(t).weight,
+                self.finish(t, work.get(t, 0)),
                 -self.share(t).weight,
                 running.get(t, 0),
                 t,

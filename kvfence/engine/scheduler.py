@@ -7,10 +7,11 @@ Each step (`schedule`):
      that tenant is below its share, preempt for it (below) and start it before anything else.
   1. Running requests first, oldest first: a decode needs one token, an unfinished chunked prefill the next
      chunk. If the pool cannot cover them, preempt the request at the back of the running queue (release its
-     pages, recompute later) until it can. (`vtc`, several tenants with work) Prompt work goes in counter
-     order: a running prompt's next chunk yields to a waiting request of another tenant that the counters put
-     first (by the counter after the work, below), and runs after step 2 if the step's prefill still allows it
-     (and it was not preempted meanwhile).
+     pages, recompute later) until it can. (`vtc`, several tenants with work) Decodes go first; prompt work
+     goes in counter order, by the counter each tenant would have after the work (below): running prompts'
+     chunks among themselves, and a running prompt's next chunk yields to a waiting request of another tenant
+     that finishes first, and runs after step 2 if the step's prefill still allows it (and it was not
+     preempted meanwhile).
   2. Then waiting requests while the token budget, `max_num_seqs` and free pages allow: in arrival order
      (`fcfs`), or (`vtc`, the default) the first waiting request of the backlogged tenant whose virtual token
      counter would be the smallest after its first chunk (weighted fair queueing's finish time: a short prompt
@@ -134,11 +135,9 @@ class Scheduler:
             if gate is not None:
                 gate.take(first.request.tenant, first.num_new_tokens)
         queue = [r for r in self.running if first is None or r is not first.request]
-        if (
-            gate is not None
-        ):  # decodes first, in arrival order; then prefill chunks, least served tenant first
-            counters = self.fairness.counters
-            queue.sort(key=lambda r: (r.num_tokens - r.num_computed_tokens > 1, counters.get(r.tenant, 0.0)))
+        if gate is not None:  # decodes first, then prefill chunks, each by its tenant's counter after it
+            piece = min(chunk, self.config.max_num_batched_tokens)
+            queue.sort(key=lambda r: self._running_order(r, piece))
         yielding = self._yields_to_waiting(chunk, gate) if gate is not None else None
         deferred: list[Request] = []  # prompt chunks that yield to another tenant's waiting request
         while queue and budget > 0:
@@ -212,6 +211,18 @@ class Scheduler:
             if gate is not None:
                 gate.take(request.tenant, num_new)
         return scheduled
+
+    def _running_order(self, request: Request, piece: int) -> tuple[bool, float, float]:
+        """vtc, several tenants with work: where a running request goes in the step's queue. Decodes first (each
+        needs one token; among them the least served tenant first), then prompt chunks by the counter their
+        tenant would have after the chunk (at most `piece` tokens), as waiting requests are ranked: a tenant a
+        little ahead whose prompt has a few tokens left goes before another's full chunk (ranked by the counter
+        before the work, the other's chunk filled the step's prefill and the few tokens waited a step: B's
+        last request of a burst, 200-450 ms on 2 cores). Ties go to the larger weight; the sort is stable, so
+        one tenant's requests keep their arrival order."""
+        left = request.num_tokens - request.num_computed_tokens
+        work = min(left, piece) if left > 1 else 0
+        return left > 1, self.fairness.finish(request.tenant, work), -self.fairness.share(request.tenant).weight
 
     def _yields_to_waiting(self, chunk: int, gate: PrefillGate) -> Callable[[Request, int], bool]:
         """vtc, several tenants with work: whether a running request's next prompt chunk (of so many tokens)
