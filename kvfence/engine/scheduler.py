@@ -222,7 +222,11 @@ class Scheduler:
         one tenant's requests keep their arrival order."""
         left = request.num_tokens - request.num_computed_tokens
         work = min(left, piece) if left > 1 else 0
-        return left > 1, self.fairness.finish(request.tenant, work), -self.fairness.share(request.tenant).weight
+        return (
+            left > 1,
+            self.fairness.finish(request.tenant, work),
+            -self.fairness.share(request.tenant).weight,
+        )
 
     def _yields_to_waiting(self, chunk: int, gate: PrefillGate) -> Callable[[Request, int], bool]:
         """vtc, several tenants with work: whether a running request's next prompt chunk (of so many tokens)
