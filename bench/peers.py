@@ -151,12 +151,12 @@ def table(results: Path) -> str:
     return "\n".join(lines)
 
 
-SCALE_FILE = re.compile(r"^(?P<label>.+)\.(?P<w>W[3-6])(?:\.r(?P<rate>[0-9.]+))?\.json$")
+SCALE_FILE = re.compile(r"^(?P<label>.+)\.(?P<w>W[13-6])(?:\.r(?P<rate>[0-9.]+))?\.json$")
 
 
 def scale_table(results: Path) -> str:
-    """bench/peers.sh scale's results for one model: a row per server; W3-W5 output tok/s and TTFT p50 (ms),
-    W5 and W6 inter-token p99, W6 goodput at each rate (requests/s meeting the SLO / offered), RSS."""
+    """bench/peers.sh scale's results for one model: a row per server; (W1 if run,) W3-W5 output tok/s and TTFT
+    p50 (ms), W5 and W6 inter-token p99, W6 goodput at each rate (requests/s meeting the SLO / offered), RSS."""
     runs: dict[str, dict[str, dict[str, Any]]] = {}
     for path in sorted(results.glob("*.json")):
         m = SCALE_FILE.match(path.name)
@@ -176,14 +176,17 @@ def scale_table(results: Path) -> str:
             return ""
         return f"{d['goodput_req_s']} ({d['num_good']}/{d['workload']['num_requests']}; ITL p99 {d['itl_ms']['p99']})"
 
-    head = ["server", "W3 tok/s", "W3 TTFT p50", "W4 tok/s", "W4 TTFT p50", "W5 tok/s", "W5 TTFT p50",
-            "W5 ITL p99"] + [f"W6 goodput @{r}/s" for r in rates] + ["RSS MiB"]  # fmt: skip
+    w1 = any("W1" in r for r in runs.values())  # W1 only where it was asked for (PD against colocated)
+    head = ["server"] + (["W1 tok/s", "W1 TTFT p50"] if w1 else []) + ["W3 tok/s", "W3 TTFT p50", "W4 tok/s",
+            "W4 TTFT p50", "W5 tok/s", "W5 TTFT p50", "W5 ITL p99"] + [f"W6 goodput @{r}/s" for r in rates] + [
+            "RSS MiB"]  # fmt: skip
     lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     for label, r in runs.items():
         rss = results / f"{label}.rss"
         w5 = r.get("W5")
         lines.append(
-            f"| {label} | {closed(r.get('W3'))} | {closed(r.get('W4'))} | {closed(w5)} | "
+            f"| {label} | {closed(r.get('W1')) + ' | ' if w1 else ''}{closed(r.get('W3'))} | {closed(r.get('W4'))} | "
+            f"{closed(w5)} | "
             f"{w5['itl_ms']['p99'] if w5 else ''} | "
             + " | ".join(good(r.get(f"W6@{rate}")) for rate in rates)
             + f"{' | ' if rates else ''}{rss.read_text().strip() if rss.exists() else ''} |"

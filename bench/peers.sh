@@ -17,7 +17,7 @@
 #                               # colocated and PD and vLLM on the bfloat16 Hugging Face folder, llama.cpp and
 #                               # kvfence-q8 on the Q8_0 GGUF; W6 at each of W6_RATES (requests/s, default
 #                               # "0.25 0.5 1"); results and each server's log in $RESULTS/scale/SIZE
-#                               # SCALE_WORKLOADS (default "W3 W4 W5 W6") runs some of them only
+#                               # SCALE_WORKLOADS (default "W3 W4 W5 W6") runs some of them only, or adds W1
 #   bench/peers.sh quality      # llama.cpp's KL divergence of the Q4_1 GGUF against its F32 weights
 #                               # (bench/llamacpp_quality.py; results in $RESULTS/quality, issue 20)
 #   bench/peers.sh rounds N     # N rounds of vLLM against kvfence (colocated and PD), order swapped each round
@@ -366,9 +366,9 @@ PYEOF
 }
 
 scale_workloads() {  # scale_workloads DIR LABEL: W3, W4, W5, then W6 at each rate, against the server on $PORT
-  # (SCALE_WORKLOADS, default "W3 W4 W5 W6", picks some of them)
+  # (SCALE_WORKLOADS, default "W3 W4 W5 W6", picks some of them; W1 too, for PD against colocated)
   local w rate picked=" ${SCALE_WORKLOADS:-W3 W4 W5 W6} "
-  for w in W3 W4 W5; do
+  for w in W1 W3 W4 W5; do
     [[ $picked == *" $w "* ]] || continue
     log "$2 $w (load average: $(cut -d' ' -f1-3 /proc/loadavg))"
     "$PY" "$ROOT/bench/serve.py" --base-url "http://127.0.0.1:$PORT" --workload "$w" --label "$2" --quiet \
