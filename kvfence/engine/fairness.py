@@ -9,12 +9,13 @@ Counters. A tenant's counter is the service it received in weighted tokens: a pr
 `PREFILL_COST`, an output token `DECODE_COST` (the paper's w_p = 1, w_q = 2), divided by the tenant's weight. The
 backlogged tenant with the smallest counter is served first; prompt work goes by the counter after it (the
 counter plus the piece's tokens over the weight: weighted fair queueing's finish time), so a short prompt goes
-before another tenant's long chunk. A tenant that becomes backlogged again is brought
-within the backlogged tenants' range: up to the smallest counter (it cannot bank the service it did not ask for
-while idle) and down to the largest (what it got while nobody else wanted service is no debt). So two backlogged
-tenants' counters stay within a bound set by one step's and one request's work (tests assert it). Prompt tokens
-make steps long, so while several tenants have work, a tenant's prefill runs only within one chunk of the least
-served tenant's counter, a chunk per step (`PrefillGate`); decodes always run.
+before another tenant's long chunk. A tenant that becomes backlogged again is brought within the backlogged
+tenants' range: up to the smallest counter less one chunk (it cannot bank more of the service it did not ask for
+while idle; the chunk lets a burst it comes back with go before the next chunk of the tenant that kept the server
+busy) and down to the largest (what it got while nobody else wanted service is no debt). So two backlogged
+tenants' counters stay within a bound set by one step's and one request's work and one chunk (tests assert
+it). Prompt tokens make steps long, so while several tenants have work, a tenant's prefill runs only within one
+chunk of the least served tenant's counter, a chunk per step (`PrefillGate`); decodes always run.
 
 Pages. `min_pages` are guaranteed: while a tenant with a guarantee is backlogged, pages it is short of it are
 reserved (others may not take them), and preemption never takes a tenant below it. `max_pages` caps a tenant.
@@ -107,13 +108,21 @@ class Fairness:
 
     # ---- counters -------------------------------------------------------------------------------------
 
-    def activate(self, tenant: str, backlogged: Iterable[str]) -> None:
+    def activate(self, tenant: str, backlogged: Iterable[str], credit: float = 0.0) -> None:
         """`tenant` has work again after none: its counter is brought within the backlogged tenants' range, up to
-        the smallest (it cannot bank service it did not ask for while idle) and down to the largest (service it
-        got while nobody else wanted any is no debt to the tenants waiting now)."""
+        the smallest less `credit` (it cannot bank more than that of the service it did not ask for while idle)
+        and down to the largest (service it got while nobody else wanted any is no debt to the tenants waiting
+        now). The scheduler gives one chunk of prompt tokens as credit: a tenant that comes back with a burst of
+        short prompts gets them all before the next chunk of a tenant that kept the server busy meanwhile (the
+        one chunk the prefill gate already lets tenants lead by), instead of seeing that chunk cut into its
+        burst. It is bounded: only a tenant more than `credit` behind the others gets it, so going idle and back
+        again does not add up."""
         others = [self.counters.get(t, 0.0) for t in backlogged if t != tenant]
         current = self.counters.get(tenant, 0.0)
-        self.counters[tenant] = min(max(current, min(others)), max(others)) if others else current
+        if others:
+            self.counters[tenant] = min(max(current, min(others) - credit), max(others))
+        else:
+            self.counters[tenant] = current
 
     def charge(self, tenant: str, prompt_tokens: int, output_tokens: int) -> None:
         cost = prompt_tokens * PREFILL_COST + output_tokens * DECODE_COST

@@ -45,7 +45,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from kvfence.config import SchedulerOptions
-from kvfence.engine.fairness import Fairness, PrefillGate
+from kvfence.engine.fairness import PREFILL_COST, Fairness, PrefillGate
 from kvfence.engine.plan import Plan, PlanRow
 from kvfence.engine.request import Request, RequestState, SamplingParams
 from kvfence.ids import RequestId
@@ -83,10 +83,15 @@ class Scheduler:
         # decode reservations, and 0 for a tenant queued for a reservation); the PD roles set it
         self.reserved_pages: Callable[[], Mapping[str, int]] = dict
 
+    @property
+    def chunk(self) -> int:
+        """The most prompt tokens one tenant gets in a step while several have work (the prefill gate's)."""
+        return self.config.prefill_batch_tokens or self.config.max_num_batched_tokens
+
     def add(self, request: Request) -> None:
         backlogged = self.backlogged()
-        if request.tenant not in backlogged:
-            self.fairness.activate(request.tenant, backlogged)
+        if request.tenant not in backlogged:  # credit: one chunk (Fairness.activate)
+            self.fairness.activate(request.tenant, backlogged, self.chunk * PREFILL_COST)
         request.transition(RequestState.WAITING)
         self.waiting.append(request)
 
@@ -125,7 +130,7 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         scheduled: list[Scheduled] = []
         preempted = False
-        chunk = self.config.prefill_batch_tokens or budget  # the most prompt tokens one tenant gets in a step
+        chunk = self.chunk
         gate = self.fairness.prefill_gate(self.backlogged(), chunk)
         first = self._start_below_share(budget, gate)
         if first is not None:
