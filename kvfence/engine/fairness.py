@@ -14,8 +14,9 @@ tenants' range: up to the smallest counter less one chunk (it cannot bank more o
 while idle; the chunk lets a burst it comes back with go before the next chunk of the tenant that kept the server
 busy) and down to the largest (what it got while nobody else wanted service is no debt). So two backlogged
 tenants' counters stay within a bound set by one step's and one request's work and one chunk (tests assert
-it). Prompt tokens make steps long, so while several tenants have work, a tenant's prefill runs only within one
-chunk of the least served tenant's counter, a chunk per step (`PrefillGate`); decodes always run.
+it). Prompt tokens make steps long, so while several tenants have work, a tenant's prefill runs only while its
+counter after the piece stays within one chunk of the least served tenant's counter, a chunk per step
+(`PrefillGate`); decodes always run.
 
 Pages. `min_pages` are guaranteed: while a tenant with a guarantee is backlogged, pages it is short of it are
 reserved (others may not take them), and preemption never takes a tenant below it. `max_pages` caps a tenant.
@@ -56,19 +57,28 @@ DEFAULT_SHARE = TenantShare()
 class PrefillGate:
     """One step's prefill tokens per tenant while several tenants have work. Prompt tokens are what makes a step
     long (on CPU a 1,700-token prefill takes seconds; a decode step of 8 takes tens of milliseconds), and every
-    running request waits for the whole step: so a tenant's prefill runs only while its counter is within one
-    chunk of the smallest backlogged counter, and at most `chunk` of its prompt tokens per step. Decodes are never
-    held back. The tenant furthest behind always gets its chunk (work conserving: a step is never left empty for
-    fairness)."""
+    running request waits for the whole step: so a tenant's prefill runs only while its counter *after* the
+    piece stays within one chunk of the smallest backlogged counter, and at most `chunk` of its prompt tokens
+    per step. Decodes are never held back. The tenant furthest behind always gets its chunk (work conserving: a
+    step is never left empty for fairness). Gated by the counter before the piece (sessions 17-23), a tenant a
+    little ahead added a whole chunk to the step in which a returning tenant's prompt was finishing, and that
+    prompt's first token waited for it (a chunk of a long prompt: 150-250 ms on 2 cores)."""
 
-    def __init__(self, counters: Mapping[str, float], low: float, chunk: int) -> None:
-        self._counters, self._low, self.chunk = counters, low, chunk
+    def __init__(
+        self, counters: Mapping[str, float], low: float, chunk: int, weights: Mapping[str, float]
+    ) -> None:
+        self._counters, self._low, self.chunk, self._weights = counters, low, chunk, weights
         self._used: dict[str, int] = {}
 
-    def allowance(self, tenant: str) -> int:
-        if self._counters.get(tenant, self._low) > self._low + self.chunk * PREFILL_COST:
+    def allowance(self, tenant: str, tokens: int) -> int:
+        """How many of `tokens` prompt tokens `tenant` may compute in this step: none if its counter after them
+        would be more than a chunk past the smallest counter, unless it is the least served itself."""
+        counter = self._counters.get(tenant, self._low)
+        piece = min(tokens, max(0, self.chunk - self._used.get(tenant, 0)))
+        after = counter + piece * PREFILL_COST / self._weights.get(tenant, 1.0)
+        if counter > self._low and after > self._low + self.chunk * PREFILL_COST:
             return 0
-        return max(0, self.chunk - self._used.get(tenant, 0))
+        return piece
 
     def take(self, tenant: str, tokens: int) -> None:
         self._used[tenant] = self._used.get(tenant, 0) + tokens
@@ -133,7 +143,12 @@ class Fairness:
         if not self.enabled or len(backlogged) < 2:
             return None
         low = min(self.counters.get(t, 0.0) for t in backlogged)
-        return PrefillGate({t: self.counters.get(t, 0.0) for t in backlogged}, low, chunk)
+        return PrefillGate(
+            {t: self.counters.get(t, 0.0) for t in backlogged},
+            low,
+            chunk,
+            {t: self.share(t).weight for t in backlogged},
+        )
 
     def finish(self, tenant: str, tokens: int) -> float:
         """The counter `tenant` would have after `tokens` more prompt tokens: the virtual finish time of that

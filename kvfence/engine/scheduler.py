@@ -149,7 +149,7 @@ class Scheduler:
             request = queue.pop(0)
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             if gate is not None and num_new > 1:
-                num_new = min(num_new, gate.allowance(request.tenant))
+                num_new = gate.allowance(request.tenant, num_new)
                 if num_new == 0:
                     continue  # its tenant is ahead: its prompt waits, its pages stay
                 if yielding is not None and yielding(request, num_new):
@@ -178,7 +178,9 @@ class Scheduler:
             request = next_request
             if cap and prefill and prefill + min(request.num_tokens, budget) > cap:
                 break  # this step is full of prefill already; this one goes first in the next step
-            allowed = budget if gate is None else min(budget, gate.allowance(request.tenant))
+            allowed = (
+                budget if gate is None else gate.allowance(request.tenant, min(request.num_tokens, budget))
+            )
             if allowed == 0 or not self._may_take(
                 request, self.pool.pages_for(min(request.num_tokens, allowed))
             ):
@@ -203,7 +205,7 @@ class Scheduler:
                 continue  # preempted to make room for a waiting request (and perhaps started again)
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             if gate is not None:
-                num_new = min(num_new, gate.allowance(request.tenant))
+                num_new = gate.allowance(request.tenant, num_new)
             if (
                 num_new <= 0
                 or (cap and prefill and prefill + num_new > cap)
@@ -254,8 +256,9 @@ class Scheduler:
         chunk = min(chunk, self.config.max_num_batched_tokens)
         work: dict[str, int] = {}
         for r in self.waiting:
-            if r.tenant not in work and (gate is None or gate.allowance(r.tenant) > 0):
-                work[r.tenant] = min(r.num_tokens - r.num_computed_tokens, chunk)
+            piece = min(r.num_tokens - r.num_computed_tokens, chunk)
+            if r.tenant not in work and (gate is None or gate.allowance(r.tenant, piece) > 0):
+                work[r.tenant] = piece
         return work
 
     def _start_below_share(self, budget: int, gate: PrefillGate | None) -> Scheduled | None:
@@ -269,7 +272,8 @@ class Scheduler:
         request = self._next_waiting(set(), budget if gate is None else gate.chunk, gate)
         if request is None:
             return None
-        num_new = min(request.num_tokens, budget, budget if gate is None else gate.allowance(request.tenant))
+        num_new = min(request.num_tokens, budget)
+        num_new = num_new if gate is None else gate.allowance(request.tenant, num_new)
         need = self.pool.pages_for(num_new)
         if need == 0 or self.pool.can_allocate(need):
             return None  # nothing it may run, or room for it already: the usual order
