@@ -22,6 +22,8 @@ Each step (`schedule`):
      while the step's prefill tokens stay within it: prefills that would each fill the matmuls on their own run
      one after another, so the first of a burst gets its first token after its own prefill, not after all of
      them (on 2 CPU cores, W1's time to first token: 1.06 s batched, 0.40 s serial; docs/performance.md).
+A step that the prefill gate (engine/fairness.py) would leave empty while work is queued runs ungated instead
+(work conserving: the least served tenant may be unable to start, and every other tenant's piece gated).
 Fairness (`vtc`): a tenant may not lease pages beyond its `max_pages`, nor the pages other backlogged tenants are
 short of their `min_pages`; preemption takes the newest running request of the tenant furthest above its share,
 never one that would take a tenant below its guarantee (`fcfs`: the newest running request), also to start a
@@ -127,11 +129,20 @@ class Scheduler:
     # ---- scheduling -------------------------------------------------------------------------------------
 
     def schedule(self) -> list[Scheduled]:
+        gate = self.fairness.prefill_gate(self.backlogged(), self.chunk)
+        scheduled = self._schedule(gate)
+        if not scheduled and gate is not None:
+            # work conserving: the gate holds tenants back for one another, never all of them. When the least
+            # served tenant cannot run (max_num_seqs, pages, its cap) and every other tenant's piece is gated,
+            # the step runs them ungated rather than stand empty (the engine would wait for a new request).
+            scheduled = self._schedule(None)
+        return scheduled
+
+    def _schedule(self, gate: PrefillGate | None) -> list[Scheduled]:
         budget = self.config.max_num_batched_tokens
         scheduled: list[Scheduled] = []
         preempted = False
         chunk = self.chunk
-        gate = self.fairness.prefill_gate(self.backlogged(), chunk)
         first = self._start_below_share(budget, gate)
         if first is not None:
             scheduled.append(first)
