@@ -73,9 +73,9 @@ class PrefillGate:
     def allowance(self, tenant: str, tokens: int) -> int:
         """How many of `tokens` prompt tokens `tenant` may compute in this step: none if its counter after them
         would be more than a chunk past the smallest counter, unless it is the least served itself. None, not a
-        piece trimmed to fit: trimmed, a tenant ahead still filled the step in which another tenant's prompt
-        was finishing (181 of A's tokens beside B's last 27 in the benchmark), at the cost of budget left
-        unused in such a step."""
+        piece trimmed to fit: trimmed, a tenant ahead would still fill the step in which another tenant's
+        prompt is finishing (by the counters of bench/noisy_engine.py's step log, 181 of A's tokens beside B's
+        last 27), at the cost of budget left unused in such a step."""
         counter = self._counters.get(tenant, self._low)
         piece = min(tokens, max(0, self.chunk - self._used.get(tenant, 0)))
         after = counter + piece * PREFILL_COST / self._weights.get(tenant, 1.0)
