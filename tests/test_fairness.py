@@ -70,6 +70,29 @@ def record_steps(scheduler: Any) -> list[dict[Any, int]]:
     return seen
 
 
+def a_mid_prompt(
+    tiny_model,
+    budget: int,
+    chunk: int,
+    max_num_seqs: int = 8,
+    b_weight: float | None = None,
+    prompt_len: int = 200,
+    max_tokens: int = 4,
+):
+    """A vtc engine (B's weight `b_weight`, if given) after one step of tenant A alone on a long prompt ("a"):
+    A is in the middle of its prompt, ahead of any tenant that comes now. Returns the engine and its vocabulary
+    size."""
+    engine = make_engine(tiny_model, policy="vtc", max_num_batched_tokens=budget, max_num_seqs=max_num_seqs,
+                         prefill_batch_tokens=chunk)  # fmt: skip
+    if b_weight is not None:
+        engine.set_tenants({"B": TenantShare(weight=b_weight)})
+    vocab = tiny_model.config.vocab_size
+    ids = [(j * 5) % (vocab - 3) + 3 for j in range(prompt_len)]
+    engine.add_request(ids, SamplingParams(max_tokens=max_tokens, ignore_eos=True), "a", tenant="A")
+    engine.step()  # A alone: its first chunk
+    return engine, vocab
+
+
 # ---- virtual token counters ----------------------------------------------------------------------------
 
 
@@ -153,13 +176,9 @@ def test_a_returning_tenants_burst_goes_before_the_busy_tenants_next_chunk(tiny_
     credit of one chunk (64), B finishes its whole burst before A's next chunk (A's finish: its counter + 64).
     Lifted to A's counter exactly, A's chunk cut into the burst, and B's last requests waited for it (on 2
     cores, a chunk of a long prompt is 100-250 ms: B's TTFT p99 under a flood is its burst's last request)."""
-    engine = make_engine(tiny_model, policy="vtc", max_num_batched_tokens=128, max_num_seqs=32,
-                         prefill_batch_tokens=64)  # fmt: skip
-    engine.set_tenants({"B": TenantShare(weight=8.0)})
-    vocab = tiny_model.config.vocab_size
-    engine.add_request([(j * 5) % (vocab - 3) + 3 for j in range(240)], SamplingParams(max_tokens=4), "a",
-                       tenant="A")  # fmt: skip
-    engine.step()  # A alone: 128 tokens of its prompt
+    engine, vocab = a_mid_prompt(
+        tiny_model, budget=128, chunk=64, max_num_seqs=32, b_weight=8.0, prompt_len=240
+    )
     for i in range(20):
         ids = [(i * 11 + j) % (vocab - 3) + 3 for j in range(32)]
         engine.add_request(ids, SamplingParams(max_tokens=64, ignore_eos=True), f"b{i}", tenant="B")
@@ -197,12 +216,8 @@ def test_a_newcomers_prompt_goes_before_the_next_chunk_of_a_tenant_at_its_counte
     chunk, which would not fit beside it within --prefill-batch-tokens, waits (its pages stay) until B, which
     came back with a chunk's credit, has caught up or ended. Before, running chunks always went first, and B's
     first token waited for A's chunk (200-600 ms on 2 cores)."""
-    engine = make_engine(tiny_model, policy="vtc", max_num_batched_tokens=64, max_num_seqs=8,
-                         prefill_batch_tokens=32)  # fmt: skip
-    vocab = tiny_model.config.vocab_size
+    engine, vocab = a_mid_prompt(tiny_model, budget=64, chunk=32)
     params = SamplingParams(max_tokens=4, ignore_eos=True)
-    engine.add_request([(j * 5) % (vocab - 3) + 3 for j in range(200)], params, "a", tenant="A")
-    engine.step()  # A alone: its first chunk
     a = engine.scheduler.running[0]
     done_before = a.num_computed_tokens
     assert 0 < done_before < 200
@@ -224,13 +239,8 @@ def test_prompt_work_goes_by_the_counter_after_it_a_short_prompt_before_a_long_c
     A's; its second request's prompt (24 tokens, 6 after the weight) still finishes before A's next chunk (32):
     it goes first, and A's chunk waits a step. Ordered by the counters before the work, A's chunk went first and
     B's first token waited for it (on 2 cores: 200-600 ms per chunk of a long prompt)."""
-    engine = make_engine(tiny_model, policy="vtc", max_num_batched_tokens=64, max_num_seqs=8,
-                         prefill_batch_tokens=32)  # fmt: skip
-    engine.set_tenants({"B": TenantShare(weight=4.0)})
-    vocab = tiny_model.config.vocab_size
+    engine, vocab = a_mid_prompt(tiny_model, budget=64, chunk=32, b_weight=4.0, max_tokens=8)
     params = SamplingParams(max_tokens=8, ignore_eos=True)
-    engine.add_request([(j * 5) % (vocab - 3) + 3 for j in range(200)], params, "a", tenant="A")
-    engine.step()  # A alone
     engine.add_request([(j * 3) % (vocab - 3) + 3 for j in range(24)], params, "b1", tenant="B")
     engine.step()  # B's first request (lifted to A's counter; its prompt finishes before A's chunk)
     a = next(r for r in engine.scheduler.running if r.tenant == "A")
@@ -253,12 +263,8 @@ def test_a_step_is_never_empty_while_a_tenant_could_run_ungated(tiny_model):
     A's request runs); A's next piece is gated (its counter after it would be more than a chunk past B's).
     Gated only, the step stood empty and the engine waited for a new request that might never come; the step
     then runs ungated: A's chunk."""
-    engine = make_engine(tiny_model, policy="vtc", max_num_batched_tokens=64, max_num_seqs=1,
-                         prefill_batch_tokens=32)  # fmt: skip
-    vocab = tiny_model.config.vocab_size
+    engine, vocab = a_mid_prompt(tiny_model, budget=64, chunk=32, max_num_seqs=1)  # A alone: 64 tokens
     params = SamplingParams(max_tokens=4, ignore_eos=True)
-    engine.add_request([(j * 5) % (vocab - 3) + 3 for j in range(200)], params, "a", tenant="A")
-    engine.step()  # A alone: 64 tokens
     engine.add_request([(j * 3) % (vocab - 3) + 3 for j in range(24)], params, "b", tenant="B")
     seen = record_steps(engine.scheduler)
     engine.step()
@@ -286,13 +292,7 @@ def test_a_tenant_ahead_does_not_add_its_chunk_to_a_step_finishing_anothers_prom
     filling the rest of B's step. Gated by the counter before the work, A's chunk joined (A was within a chunk
     of B), and B's first token waited for it: at long context a chunk is 150-250 ms on 2 cores, the TTFT p99 of
     B's burst in bench/noisy_engine.py."""
-    engine = make_engine(tiny_model, policy="vtc", max_num_batched_tokens=64, max_num_seqs=8,
-                         prefill_batch_tokens=64)  # fmt: skip
-    engine.set_tenants({"B": TenantShare(weight=8.0)})
-    vocab = tiny_model.config.vocab_size
-    engine.add_request([(j * 5) % (vocab - 3) + 3 for j in range(240)], SamplingParams(max_tokens=4), "a",
-                       tenant="A")  # fmt: skip
-    engine.step()  # A alone: 64 tokens of its prompt
+    engine, vocab = a_mid_prompt(tiny_model, budget=64, chunk=64, b_weight=8.0, prompt_len=240)
     engine.add_request([(j * 3) % (vocab - 3) + 3 for j in range(40)], SamplingParams(max_tokens=8), "b",
                        tenant="B")  # fmt: skip
     seen = record_steps(engine.scheduler)
@@ -311,13 +311,8 @@ def test_running_prompts_go_by_the_counter_after_their_chunk_a_short_remainder_f
     is left of the step. Ordered by the counters before the work, A's chunk took the whole step and B's first
     token waited for it (found in bench/noisy_engine.py's step log: B's last request of its first wave waited
     450 ms on 2 cores)."""
-    engine = make_engine(tiny_model, policy="vtc", max_num_batched_tokens=32, max_num_seqs=8,
-                         prefill_batch_tokens=32)  # fmt: skip
-    engine.set_tenants({"B": TenantShare(weight=4.0)})
-    vocab = tiny_model.config.vocab_size
+    engine, vocab = a_mid_prompt(tiny_model, budget=32, chunk=32, b_weight=4.0)
     params = SamplingParams(max_tokens=4, ignore_eos=True)
-    engine.add_request([(j * 5) % (vocab - 3) + 3 for j in range(200)], params, "a", tenant="A")
-    engine.step()  # A alone: its first chunk
     engine.add_request([(j * 3) % (vocab - 3) + 3 for j in range(40)], params, "b", tenant="B")
     engine.step()  # B's first chunk (A's next one is gated: B came back a chunk behind A)
     scheduler = engine.scheduler
