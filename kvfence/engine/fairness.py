@@ -124,14 +124,14 @@ class Fairness:
     def activate(self, tenant: str, backlogged: Iterable[str], credit: float = 0.0) -> None:
         """`tenant` has work again after none: its counter is brought within the backlogged tenants' range, up to
         the smallest, or to the largest less `credit` where that is lower (it cannot bank more than that of the
-        service it did not ask for while idle)
-        and down to the largest (service it got while nobody else wanted any is no debt to the tenants waiting
-        now). The scheduler gives one chunk of prompt tokens as credit: a tenant that comes back with a burst of
-        short prompts gets them all before the next chunk of a tenant that kept the server busy meanwhile (the
-        one chunk the prefill gate already lets tenants lead by), instead of seeing that chunk cut into its
-        burst. It is bounded: only a tenant more than `credit` behind the others gets it, so going idle and back
-        again does not add up; and it is counted from the largest counter (never below the smallest), so
-        tenants that come back together share one credit instead of each landing a credit below the last."""
+        service it did not ask for while idle), and down to the largest (service it got while nobody else wanted
+        any is no debt to the tenants waiting now). The scheduler gives one chunk of prompt tokens as credit: a
+        tenant that comes back with a burst of short prompts gets them all before the next chunk of a tenant
+        that kept the server busy meanwhile (the one chunk the prefill gate already lets tenants lead by),
+        instead of seeing that chunk cut into its burst. It is bounded: only a tenant more than `credit` behind
+        the others gets it, so going idle and back again does not add up; and it is counted from the largest
+        counter (never below the smallest), so tenants that come back together share one credit instead of each
+        landing a credit below the last."""
         others = [self.counters.get(t, 0.0) for t in backlogged if t != tenant]
         current = self.counters.get(tenant, 0.0)
         if others:  # the credit counts from the largest counter: tenants coming back together do not stack it

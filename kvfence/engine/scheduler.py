@@ -90,6 +90,12 @@ class Scheduler:
         """The most prompt tokens one tenant gets in a step while several have work (the prefill gate's)."""
         return self.config.prefill_batch_tokens or self.config.max_num_batched_tokens
 
+    @property
+    def piece(self) -> int:
+        """The most prompt tokens one request computes in a step while several tenants have work: the unit of
+        prompt work the counters rank (a chunk, within the step's budget)."""
+        return min(self.chunk, self.config.max_num_batched_tokens)
+
     def add(self, request: Request) -> None:
         backlogged = self.backlogged()
         if request.tenant not in backlogged:  # credit: one chunk (Fairness.activate)
@@ -142,7 +148,6 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         scheduled: list[Scheduled] = []
         preempted = False
-        chunk = self.chunk
         first = self._start_below_share(budget, gate)
         if first is not None:
             scheduled.append(first)
@@ -152,9 +157,9 @@ class Scheduler:
                 gate.take(first.request.tenant, first.num_new_tokens)
         queue = [r for r in self.running if first is None or r is not first.request]
         if gate is not None:  # decodes first, then prefill chunks, each by its tenant's counter after it
-            piece = min(chunk, self.config.max_num_batched_tokens)
+            piece = self.piece
             queue.sort(key=lambda r: self._running_order(r, piece))
-        yielding = self._yields_to_waiting(chunk, gate) if gate is not None else None
+        yielding = self._yields_to_waiting(gate) if gate is not None else None
         deferred: list[Request] = []  # prompt chunks that yield to another tenant's waiting request
         while queue and budget > 0:
             request = queue.pop(0)
@@ -183,7 +188,7 @@ class Scheduler:
         prefill = sum(s.num_new_tokens for s in scheduled if s.num_new_tokens > 1)  # running prefills' chunks
         capped: set[str] = set()  # tenants that may not take more pages this step
         while self.waiting and budget > 0 and not preempted and len(self.running) < self.config.max_num_seqs:
-            next_request = self._next_waiting(capped, chunk, gate)
+            next_request = self._next_waiting(capped, gate)
             if next_request is None:
                 break
             request = next_request
@@ -246,14 +251,14 @@ class Scheduler:
             -self.fairness.share(request.tenant).weight,
         )
 
-    def _yields_to_waiting(self, chunk: int, gate: PrefillGate) -> Callable[[Request, int], bool]:
+    def _yields_to_waiting(self, gate: PrefillGate) -> Callable[[Request, int], bool]:
         """vtc, several tenants with work: whether a running request's next prompt chunk (of so many tokens)
         yields this step to a waiting request of another tenant that `Fairness.next_tenant` puts first, each
-        tenant by the counter it would have after its piece of prompt work (a chunk: at most `chunk` tokens).
+        tenant by the counter it would have after its piece of prompt work (at most `piece` tokens).
         Only to a tenant the gate lets prefill: one more than a chunk ahead would not start, and the chunk it
         displaced could be the least served tenant's."""
         running = self.running_per_tenant()
-        first = self._first_waiting_work(chunk, gate)
+        first = self._first_waiting_work(gate)
         return lambda request, tokens: any(
             t != request.tenant
             and self.fairness.next_tenant({t, request.tenant}, running, {**first, request.tenant: tokens})
@@ -261,13 +266,13 @@ class Scheduler:
             for t in first
         )
 
-    def _first_waiting_work(self, chunk: int, gate: PrefillGate | None) -> dict[str, int]:
-        """Each waiting tenant's next piece of prompt work: its oldest waiting request's first chunk, in tokens;
+    def _first_waiting_work(self, gate: PrefillGate | None) -> dict[str, int]:
+        """Each waiting tenant's next piece of prompt work: its oldest waiting request's first `piece` tokens;
         only tenants the gate lets prefill this step (all without a gate)."""
-        chunk = min(chunk, self.config.max_num_batched_tokens)
+        most = self.piece
         work: dict[str, int] = {}
         for r in self.waiting:
-            piece = min(r.num_tokens - r.num_computed_tokens, chunk)
+            piece = min(r.num_tokens - r.num_computed_tokens, most)
             if r.tenant not in work and (gate is None or gate.allowance(r.tenant, piece) > 0):
                 work[r.tenant] = piece
         return work
@@ -280,7 +285,7 @@ class Scheduler:
         first, the pages made for it are its own. None: nothing to do here (the usual order applies)."""
         if not self.fairness.enabled or not self.waiting or len(self.running) >= self.config.max_num_seqs:
             return None
-        request = self._next_waiting(set(), budget if gate is None else gate.chunk, gate)
+        request = self._next_waiting(set(), gate)
         if request is None:
             return None
         num_new = min(request.num_tokens, budget)
@@ -301,15 +306,15 @@ class Scheduler:
         self.running.append(request)
         return Scheduled(request, started)
 
-    def _next_waiting(self, capped: set[str], chunk: int, gate: PrefillGate | None) -> Request | None:
+    def _next_waiting(self, capped: set[str], gate: PrefillGate | None) -> Request | None:
         """The waiting request to start next: the oldest (fcfs), or (vtc) the oldest of the tenant among those not
         capped this step and let prefill by the gate that `Fairness.next_tenant` puts first, by the counter it
-        would have after its first chunk (at most `chunk` tokens). None: no such tenant. (Ranked among gated
+        would have after its first piece (at most `piece` tokens). None: no such tenant. (Ranked among gated
         tenants too, a short prompt of a tenant more than a chunk ahead came first, was refused, and its turn
         ended the step's new prefills before a request of the least served tenant.)"""
         if not self.fairness.enabled:
             return self.waiting[0]
-        work = self._first_waiting_work(chunk, gate)
+        work = self._first_waiting_work(gate)
         tenants = set(work) - capped
         if not tenants:
             return None
