@@ -191,3 +191,30 @@ def test_a_worker_refused_by_its_preflight_is_not_restarted_and_serve_exits(tiny
     assert (
         done.stderr.count("refused: the KV pool holds") + done.stdout.count("refused: the KV pool holds") == 1
     )
+
+
+def test_the_local_router_never_takes_the_http_port(monkeypatch):
+    """`serve --mode pd` binds its router on a port the OS picks before uvicorn binds --port; the OS may pick
+    that very port (it did once in a full test run: "address already in use", the server exited). Here the
+    first router is made to land on it: it is closed and another taken."""
+    from kvfence.config import Config
+    from kvfence.pd.router import Router
+    from kvfence.runtime import pd as runtime_pd
+
+    made: list[Router] = []
+
+    class FirstOnHttpPort(Router):
+        def __init__(self, **kwargs: Any) -> None:
+            super().__init__(**kwargs)
+            if not made:  # as if the OS had handed out the HTTP port
+                self.addr = f"{self.addr.rsplit(':', 1)[0]}:{config.server.port}"
+            made.append(self)
+
+    config = Config.of(port=48123)
+    monkeypatch.setattr(runtime_pd, "Router", FirstOnHttpPort)
+    router = runtime_pd.local_router(config, None)
+    try:
+        assert len(made) == 2 and router is made[1]
+        assert not router.addr.endswith(":48123") and made[0].socket.closed
+    finally:
+        router.shutdown()

@@ -119,12 +119,7 @@ def cmd_serve_pd(config: Config, args: argparse.Namespace) -> int:
         directory = keys.ephemeral(prefill=0, decode=0)
     try:
         router_keys = keys.RouterKeys.load(directory) if directory else None
-        router = Router(
-            bind="tcp://127.0.0.1:0",
-            cluster_keys=router_keys,
-            placement=config.pd.placement or "load",
-            tenants=tenant_shares(config),
-        )
+        router = local_router(config, router_keys)
         with LocalWorkers(router, config, directory) as local:
             pd = config.pd
             if not router.wait_for_workers(
@@ -139,6 +134,24 @@ def cmd_serve_pd(config: Config, args: argparse.Namespace) -> int:
     finally:
         if directory is not None:
             keys.remove(directory)
+
+
+def local_router(config: Config, router_keys: keys.RouterKeys | None, tries: int = 8) -> Router:
+    """`serve --mode pd`'s router, on a port the OS picks for the workers to reach, never the HTTP `--port`:
+    that port stays free until uvicorn binds it (after the workers register), and the OS may hand it out
+    meanwhile. It did, once in a full test run: the control plane took the port, uvicorn failed with "address
+    already in use" and the server exited."""
+    for _ in range(tries):
+        router = Router(
+            bind="tcp://127.0.0.1:0",
+            cluster_keys=router_keys,
+            placement=config.pd.placement or "load",
+            tenants=tenant_shares(config),
+        )
+        if router.addr.rsplit(":", 1)[1] != str(config.server.port):
+            return router
+        router.shutdown()
+    raise RuntimeError(f"the OS gave the router the HTTP port {config.server.port} {tries} times")
 
 
 def worker_config(
