@@ -17,6 +17,7 @@ from collections.abc import Callable
 from kvfence import config as tree
 from kvfence import options
 from kvfence.flags import add_flags, config_from_args, resolve
+from kvfence.model.tokenizer import ModelLoadError
 from kvfence.runtime.process import process_defaults
 
 log = logging.getLogger("kvfence")
@@ -129,7 +130,11 @@ def main(argv: list[str] | None = None) -> int:
     process_defaults(os.environ)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     args = build_parser().parse_args(argv)
-    return int(args.func(args))
+    try:
+        return int(args.func(args))
+    except ModelLoadError as exc:  # a missing or broken model: its message names the file and what is wrong
+        print(f"kvfence {args.command}: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -193,28 +193,53 @@ def test_a_worker_refused_by_its_preflight_is_not_restarted_and_serve_exits(tiny
     )
 
 
-def test_the_local_router_never_takes_the_http_port(monkeypatch):
-    """`serve --mode pd` binds its router on a port the OS picks before uvicorn binds --port; the OS may pick
-    that very port (it did once in a full test run: "address already in use", the server exited). Here the
-    first router is made to land on it: it is closed and another taken."""
+def test_serve_pd_holds_the_http_port_before_anything_takes_a_port(monkeypatch):
+    """`serve --mode pd`'s router and workers bind ports the OS picks; were --port still free then, the OS could
+    hand it to one of them (it did once in a full test run: "address already in use", the server exited). The
+    HTTP port is bound first: when the router is made, binding --port fails."""
+    import argparse
+    import socket
+
     from kvfence.config import Config
-    from kvfence.pd.router import Router
     from kvfence.runtime import pd as runtime_pd
+    from tests.pd_cluster import free_port
 
-    made: list[Router] = []
+    class Made(Exception):
+        pass
 
-    class FirstOnHttpPort(Router):
-        def __init__(self, **kwargs: Any) -> None:
-            super().__init__(**kwargs)
-            if not made:  # as if the OS had handed out the HTTP port
-                self.addr = f"{self.addr.rsplit(':', 1)[0]}:{config.server.port}"
-            made.append(self)
+    port = free_port()
+    taken: list[bool] = []
 
-    config = Config.of(port=48123)
-    monkeypatch.setattr(runtime_pd, "Router", FirstOnHttpPort)
-    router = runtime_pd.local_router(config, None)
-    try:
-        assert len(made) == 2 and router is made[1]
-        assert not router.addr.endswith(":48123") and made[0].socket.closed
-    finally:
-        router.shutdown()
+    def router(**kwargs: Any) -> None:
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", port))
+                taken.append(False)
+            except OSError:
+                taken.append(True)
+        raise Made
+
+    monkeypatch.setattr(runtime_pd, "Router", router)
+    monkeypatch.setattr(runtime_pd, "exit_on_sigterm", lambda: None)
+    with pytest.raises(Made):
+        runtime_pd.cmd_serve_pd(Config.of(port=port, insecure_cluster=True), argparse.Namespace())
+    assert taken == [True]
+
+
+@pytest.mark.parametrize("mode", ["colocated", "pd"])
+def test_a_port_in_use_is_said_at_once(mode, tmp_path):
+    """--port held by another process: exit 2 naming it, before any model is read or worker started (the model
+    path does not exist, and nothing says so: it was never opened)."""
+    import socket
+
+    with socket.socket() as other:
+        other.bind(("127.0.0.1", 0))
+        other.listen(1)
+        port = other.getsockname()[1]
+        cmd = [sys.executable, "-m", "kvfence", "serve", "--mode", mode, "--port", str(port)]
+        cmd += ["--model", str(tmp_path / "none.gguf")]
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr
+    said = f"kvfence serve: cannot serve on --host 127.0.0.1 --port {port}: Address already in use"
+    assert done.stderr.strip().splitlines()[-1] == said  # the config's dump above it, nothing else
+    assert "no such file" not in done.stderr and "started prefill worker" not in done.stderr

@@ -115,13 +115,24 @@ def test_preflight_command(tiny_dir, capsys):
 )
 @pytest.mark.parametrize("command", ["preflight", "serve"])
 def test_bad_sizes_are_refused_before_loading(tiny_dir, capsys, command, flags, message):
-    port = ["--port", "1"] if command == "serve" else []
+    port = ["--port", "0"] if command == "serve" else []
     assert main([command, "--model", str(tiny_dir), *flags, *port]) == 2
     assert f"kvfence {command}: {message}" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("command", ["preflight", "serve"])
+def test_a_missing_model_is_said_without_a_traceback(tmp_path, capsys, command):
+    port = ["--port", "0"] if command == "serve" else []
+    assert main([command, "--model", str(tmp_path / "none.gguf"), *port]) == 2
+    assert (
+        capsys.readouterr()
+        .err.strip()
+        .endswith(f"kvfence {command}: {tmp_path}/none.gguf: no such file or directory")
+    )
+
+
 def test_serve_refuses_an_empty_queue(tiny_dir, capsys):
-    assert main(["serve", "--model", str(tiny_dir), "--max-queue", "0", "--port", "1"]) == 2
+    assert main(["serve", "--model", str(tiny_dir), "--max-queue", "0", "--port", "0"]) == 2
     assert "--max-queue must be at least 1, got 0" in capsys.readouterr().err
 
 
@@ -135,7 +146,7 @@ def test_serve_refuses_to_start_with_an_undersized_pool(tiny_dir, capsys, monkey
 
     monkeypatch.setattr(http, "serve_http", started)
     assert (
-        main(["serve", "--model", str(tiny_dir), "--kv-pages", "8", "--page-size", "16", "--port", "1"]) == 1
+        main(["serve", "--model", str(tiny_dir), "--kv-pages", "8", "--page-size", "16", "--port", "0"]) == 1
     )
     assert "Refusing to start" in capsys.readouterr().out
 
@@ -143,7 +154,7 @@ def test_serve_refuses_to_start_with_an_undersized_pool(tiny_dir, capsys, monkey
 def test_serve_rejects_a_bad_keys_file(tiny_dir, tmp_path, capsys):
     keys = tmp_path / "keys.json"
     keys.write_text(json.dumps({"k": ""}))
-    assert main(["serve", "--model", str(tiny_dir), "--api-keys", str(keys), "--port", "1"]) == 2
+    assert main(["serve", "--model", str(tiny_dir), "--api-keys", str(keys), "--port", "0"]) == 2
     assert "tenant" in capsys.readouterr().err
 
 

@@ -112,11 +112,10 @@ def test_serve_loads_and_builds_the_engine_off_the_main_thread(tiny_dir, monkeyp
     on passing threads (uvicorn is stubbed out; the command returns once it would serve)."""
     import threading
 
-    import uvicorn
-
     from kvfence.cli import main
     from kvfence.engine.llm_engine import LLMEngine
     from kvfence.model import loader
+    from kvfence.runtime import http
 
     seen: dict[str, str] = {}
     real_load, real_init = loader.load_model, LLMEngine.__init__
@@ -131,6 +130,6 @@ def test_serve_loads_and_builds_the_engine_off_the_main_thread(tiny_dir, monkeyp
 
     monkeypatch.setattr(loader, "load_model", load_model)
     monkeypatch.setattr(LLMEngine, "__init__", init)
-    monkeypatch.setattr(uvicorn, "run", lambda *args, **kwargs: seen.setdefault("served", "yes"))
-    assert main(["serve", "--model", str(tiny_dir), "--kv-pages", "64", "--port", "1"]) == 0
+    monkeypatch.setattr(http.Front, "run", lambda *args, **kwargs: seen.setdefault("served", "yes"))
+    assert main(["serve", "--model", str(tiny_dir), "--kv-pages", "64", "--port", "0"]) == 0
     assert seen == {"load": "kvfence-load", "engine": "kvfence-load", "served": "yes"}

@@ -86,12 +86,14 @@ def cmd_serve(config: Config, args: argparse.Namespace) -> int:
     from kvfence.engine.llm_engine import LLMEngine
     from kvfence.engine.loop import on_passing_thread
     from kvfence.engine.memory import return_freed_memory
-    from kvfence.runtime.http import front_door_problem, serve_http
+    from kvfence.runtime.http import FrontDoorClosed, open_front_door, serve_http
     from kvfence.server.metrics import ServerMetrics
     from kvfence.server.tenants import load_keys_file
 
-    if problem := front_door_problem(config, "serve"):  # keys, TLS: before minutes of loading
-        print(problem, file=sys.stderr)
+    try:
+        listener = open_front_door(config, "serve")  # keys, TLS, the port: before minutes of loading
+    except FrontDoorClosed as exc:
+        print(exc, file=sys.stderr)
         return 2
     try:
         report, loaded = on_passing_thread(lambda: run_preflight(config))  # not on main: OpenMP pools
@@ -115,4 +117,6 @@ def cmd_serve(config: Config, args: argparse.Namespace) -> int:
     def config_view() -> dict[str, Any]:
         return {"mode": "colocated", "config": config.to_dict(public=True)}
 
-    return serve_http(llm, config, ServerMetrics(), config_view=config_view, preflight=report)
+    return serve_http(
+        llm, config, ServerMetrics(), config_view=config_view, preflight=report, listener=listener
+    )

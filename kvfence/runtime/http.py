@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import ipaddress
 import logging
+import socket
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+import uvicorn
 
 from kvfence.config import Config
 from kvfence.dashboard.routes import KvSource
@@ -31,10 +34,10 @@ def serve_http(
     preflight: PreflightReport | None = None,
     kv_source: KvSource | None = None,
     cluster: ClusterControl | None = None,
+    listener: socket.socket,
 ) -> int:
-    """Serve until interrupted. `config_view`: what `GET /debug/config` returns (admin key only)."""
-    import uvicorn
-
+    """Serve on `listener` (from `open_front_door`) until interrupted. `config_view`: what `GET /debug/config`
+    returns (admin key only)."""
     from kvfence.server.app import build_app
     from kvfence.server.async_engine import AsyncEngine
     from kvfence.server.auth import check_distinct
@@ -69,10 +72,61 @@ def serve_http(
         cluster=cluster,
     )
     app = build_app(async_engine, settings, metrics, kv_source=kv_source)
-    print(how_to_call(server.host, server.port, name, with_key=keys is not None, tls=tls), flush=True)
-    uvicorn.run(app, host=server.host, port=server.port, log_level="info",
-                ssl_keyfile=server.ssl_keyfile, ssl_certfile=server.ssl_certfile)  # fmt: skip
+    port = listener.getsockname()[1]  # --port 0: the one the OS gave
+    uv_config = uvicorn.Config(app, host=server.host, port=port, log_level="info",
+                               ssl_keyfile=server.ssl_keyfile, ssl_certfile=server.ssl_certfile)  # fmt: skip
+    print(how_to_call(server.host, port, name, with_key=keys is not None, tls=tls), flush=True)
+    Front(uv_config).run(sockets=[listener])
     return 0
+
+
+class FrontDoorClosed(Exception):
+    """What stops an HTTP command before anything loads (its message for stderr; exit 2)."""
+
+
+def open_front_door(config: Config, command: str) -> socket.socket:
+    """The checks of `front_door_problem`, then the HTTP port, bound before anything else: before minutes of
+    loading (a port in use is said at once), and before the PD router and workers bind ports the OS picks (it
+    could hand out --port to one of them while uvicorn had not bound it yet: it did, once in a full test run).
+    Bound, not listening: until uvicorn serves, a client is refused, not kept waiting."""
+    if problem := front_door_problem(config, command):
+        raise FrontDoorClosed(problem)
+    try:
+        return bind_http(config.server.host, config.server.port)
+    except OSError as exc:
+        raise FrontDoorClosed(
+            f"kvfence {command}: cannot serve on --host {config.server.host} --port {config.server.port}: "
+            f"{exc.strerror or exc}"
+        ) from exc
+
+
+def bind_http(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to (host, port), as uvicorn binds its own (SO_REUSEADDR: a port left in TIME_WAIT by
+    the last run is free again)."""
+    family, kind, _, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    # proto must say TCP: asyncio sets TCP_NODELAY only on such sockets (kvfence/server/background.py)
+    sock = socket.socket(family, kind, socket.IPPROTO_TCP)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(addr)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+class Front(uvicorn.Server):
+    """uvicorn's server on a socket bound beforehand, saying where it serves once it does (uvicorn says so only for
+    the sockets it binds itself)."""
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets)
+        if self.started and sockets:
+            scheme = "https" if self.config.is_ssl else "http"
+            port = sockets[0].getsockname()[1]
+            logging.getLogger("uvicorn.error").info(
+                "Uvicorn running on %s://%s:%d (Press CTRL+C to quit)", scheme, self.config.host, port
+            )
 
 
 def front_door_problem(config: Config, command: str) -> str | None:

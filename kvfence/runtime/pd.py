@@ -15,6 +15,7 @@ import logging
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -25,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 from kvfence.config import Config
 from kvfence.pd import cores, keys
 from kvfence.pd.router import Router
-from kvfence.runtime.http import front_door_problem, tenant_shares
+from kvfence.runtime.http import FrontDoorClosed, open_front_door, tenant_shares
 from kvfence.runtime.process import exit_on_sigterm, parent_death_signal, reap, usable_cpus
 from kvfence.runtime.supervisor import RestartPolicy, Supervisor
 
@@ -76,8 +77,10 @@ def worker_keys(config: Config, role: str) -> keys.WorkerKeys | None:
 
 def cmd_router(config: Config, args: argparse.Namespace) -> int:
     exit_on_sigterm()
-    if problem := front_door_problem(config, "router"):
-        print(problem, file=sys.stderr)
+    try:
+        listener = open_front_door(config, "router")
+    except FrontDoorClosed as exc:
+        print(exc, file=sys.stderr)
         return 2
     try:
         cluster_keys = router_keys(config)
@@ -99,7 +102,7 @@ def cmd_router(config: Config, args: argparse.Namespace) -> int:
         ):
             print("kvfence router: workers did not register in time", file=sys.stderr)
             return 1
-        return serve_router(router, config)
+        return serve_router(router, config, listener)
     finally:
         router.shutdown()
 
@@ -109,8 +112,10 @@ def cmd_serve_pd(config: Config, args: argparse.Namespace) -> int:
     Ray cluster instead: kvfence/runtime/ray_cluster.py). Keys are made here, in a private temporary directory, one pair
     per worker, and removed at exit: no configuration, and still only these processes can join."""
     exit_on_sigterm()
-    if problem := front_door_problem(config, "serve"):
-        print(problem, file=sys.stderr)
+    try:  # the HTTP port first: the router and workers bind ports the OS picks, never this one
+        listener = open_front_door(config, "serve")
+    except FrontDoorClosed as exc:
+        print(exc, file=sys.stderr)
         return 2
     if config.pd.insecure_cluster:
         keys.warn_insecure("serve --mode pd")
@@ -119,7 +124,12 @@ def cmd_serve_pd(config: Config, args: argparse.Namespace) -> int:
         directory = keys.ephemeral(prefill=0, decode=0)
     try:
         router_keys = keys.RouterKeys.load(directory) if directory else None
-        router = local_router(config, router_keys)
+        router = Router(
+            bind="tcp://127.0.0.1:0",  # for the workers on this machine
+            cluster_keys=router_keys,
+            placement=config.pd.placement or "load",
+            tenants=tenant_shares(config),
+        )
         with LocalWorkers(router, config, directory) as local:
             pd = config.pd
             if not router.wait_for_workers(
@@ -130,28 +140,10 @@ def cmd_serve_pd(config: Config, args: argparse.Namespace) -> int:
                     file=sys.stderr,
                 )
                 return 1
-            return serve_router(router, config, local.control())
+            return serve_router(router, config, listener, local.control())
     finally:
         if directory is not None:
             keys.remove(directory)
-
-
-def local_router(config: Config, router_keys: keys.RouterKeys | None, tries: int = 8) -> Router:
-    """`serve --mode pd`'s router, on a port the OS picks for the workers to reach, never the HTTP `--port`:
-    that port stays free until uvicorn binds it (after the workers register), and the OS may hand it out
-    meanwhile. It did, once in a full test run: the control plane took the port, uvicorn failed with "address
-    already in use" and the server exited."""
-    for _ in range(tries):
-        router = Router(
-            bind="tcp://127.0.0.1:0",
-            cluster_keys=router_keys,
-            placement=config.pd.placement or "load",
-            tenants=tenant_shares(config),
-        )
-        if router.addr.rsplit(":", 1)[1] != str(config.server.port):
-            return router
-        router.shutdown()
-    raise RuntimeError(f"the OS gave the router the HTTP port {config.server.port} {tries} times")
 
 
 def worker_config(
@@ -289,7 +281,9 @@ class LocalWorkers:
         return ProcessHandle(proc)
 
 
-def serve_router(router: Router, config: Config, cluster: ClusterControl | None = None) -> int:
+def serve_router(
+    router: Router, config: Config, listener: socket.socket, cluster: ClusterControl | None = None
+) -> int:
     from kvfence.dashboard.routes import envelope
     from kvfence.model.loader import load_tokenizer
     from kvfence.pd.remote import RemoteEngine, WorkersCollector
@@ -316,7 +310,15 @@ def serve_router(router: Router, config: Config, cluster: ClusterControl | None 
     def config_view() -> dict[str, Any]:
         return {"mode": "pd", "config": config.to_dict(public=True), "workers": router.worker_configs()}
 
-    return serve_http(remote, config, metrics, config_view=config_view, kv_source=kv_source, cluster=cluster)
+    return serve_http(
+        remote,
+        config,
+        metrics,
+        config_view=config_view,
+        kv_source=kv_source,
+        cluster=cluster,
+        listener=listener,
+    )
 
 
 def cmd_worker(config: Config, args: argparse.Namespace) -> int:

@@ -206,10 +206,12 @@ class RouterActor:
 
     def __init__(self, tree: str) -> None:
         from kvfence.pd.router import Router
-        from kvfence.runtime.http import tenant_shares
+        from kvfence.runtime.http import bind_http, tenant_shares
 
         _log_like_the_cli()
         self.config = Config.from_json(tree)
+        # the HTTP port before the router's, which the OS picks (it could pick --port while this one is free)
+        self.listener = bind_http(self.config.server.host, self.config.server.port)
         self.keys_dir = keys.ephemeral(prefill=KEY_POOL, decode=KEY_POOL)
         self.router = Router(
             bind=f"tcp://{node_ip()}:0",
@@ -230,7 +232,7 @@ class RouterActor:
         """The HTTP front, until the process is asked to stop (blocks one of the actor's threads)."""
         from kvfence.runtime.pd import serve_router
 
-        return serve_router(self.router, self.config, self.control())
+        return serve_router(self.router, self.config, self.listener, self.control())
 
     def control(self) -> Any:
         from kvfence.server.serving import ClusterControl
