@@ -279,3 +279,23 @@ def test_https_serves_with_the_given_certificate_and_refuses_plain_http(tmp_path
         proc.terminate()
         out, _ = proc.communicate(timeout=60)
     assert f"https://127.0.0.1:{port}/v1" in out
+
+
+def test_the_http_port_is_held_on_every_address_of_the_host():
+    """`--host ""` (every interface) binds each address family the host has, on one port, listening: another
+    socket cannot take the port even with SO_REUSEADDR (which lets sockets that are only bound share it)."""
+    import socket
+
+    from kvfence.runtime.http import bind_http
+
+    held = bind_http("", 0)
+    try:
+        ports = {sock.getsockname()[1] for sock in held}
+        assert len(ports) == 1 and {sock.family for sock in held} >= {socket.AF_INET}
+        with socket.socket() as other:
+            other.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            with pytest.raises(OSError):
+                other.bind(("127.0.0.1", ports.pop()))
+    finally:
+        for sock in held:
+            sock.close()

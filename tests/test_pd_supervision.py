@@ -211,7 +211,8 @@ def test_serve_pd_holds_the_http_port_before_anything_takes_a_port(monkeypatch):
     taken: list[bool] = []
 
     def router(**kwargs: Any) -> None:
-        with socket.socket() as probe:
+        with socket.socket() as probe:  # with SO_REUSEADDR, which lets a socket share a port only bound
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             try:
                 probe.bind(("127.0.0.1", port))
                 taken.append(False)

@@ -4,6 +4,7 @@ A module of its own: the three-node cluster of tests/test_ray_cluster.py is gone
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
 import time
@@ -38,7 +39,8 @@ def _get(url: str) -> int:
 @pytest.mark.slow
 def test_kvfence_serve_ray_on_the_command_line_serves_smollm2(tmp_path):
     """`kvfence serve --mode pd --ray ADDRESS` as an operator runs it, on a one-node cluster of its own, with the
-    default model: the chat answer is float32's greedy one."""
+    default model: the chat answer is float32's greedy one. Before it, the same command on a port in use exits 2
+    with one line naming the port (the router actor binds it before anything else)."""
     from tests.conftest import float32_answer, require_default_model
 
     model = require_default_model()
@@ -52,9 +54,16 @@ def test_kvfence_serve_ray_on_the_command_line_serves_smollm2(tmp_path):
     )
     port = free_port()
     cmd = [sys.executable, "-m", "kvfence", "serve", "--mode", "pd", "--ray", cluster.address, "--model",
-           str(model), "--dtype", "float32", "--port", str(port), "--threads", "1",
-           "--kv-pages", "64", "--context-length", "1024"]  # fmt: skip
-    proc = subprocess.Popen(cmd)
+           str(model), "--dtype", "float32", "--threads", "1", "--kv-pages", "64",
+           "--context-length", "1024"]  # fmt: skip
+    with socket.socket() as other:  # first, a port in use: the router actor says so, and nothing starts
+        other.bind(("127.0.0.1", 0))
+        other.listen(1)
+        taken = other.getsockname()[1]
+        done = subprocess.run([*cmd, "--port", str(taken)], capture_output=True, text=True, timeout=300)
+    said = f"kvfence serve --ray: cannot serve on --host 127.0.0.1 --port {taken}: Address already in use"
+    assert done.returncode == 2 and said in done.stderr.splitlines(), done.stderr[-3000:]
+    proc = subprocess.Popen([*cmd, "--port", str(port)])
     try:
         url = f"http://127.0.0.1:{port}"
         wait_for(lambda: _get(url + "/health") == 200 or proc.poll() is not None, "kvfence serve --ray")

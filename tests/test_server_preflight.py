@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from dataclasses import replace
@@ -193,6 +194,9 @@ def test_serve_command_clamps_and_serves(tiny_dir, tmp_path):
         body = {"model": "llama", "prompt": "Hello", "max_tokens": 4}
         r = httpx.post(f"{url}/v1/completions", json=body, headers=headers, timeout=30)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 4
+        proc.send_signal(signal.SIGINT)  # Ctrl+C: uvicorn shuts down, and the command ends quietly
+        rest, _ = proc.communicate(timeout=60)
+        assert proc.returncode == 0 and "Traceback" not in rest, rest[-2000:]
     finally:
         proc.terminate()
         proc.wait(30)

@@ -17,7 +17,8 @@ def server(smollm2_served):
     """The dtype and kernels `kvfence serve` takes here; no prefix cache, so that the same prompt sent twice is
     computed in the same chunks: a hit leaves a short tail, whose rows take the int8 decode kernels instead of
     the prompt's bfloat16 products, and the answers parted after 5 words on an Intel Xeon with AMX (not on AMD
-    Zen4). Equal answers from a hit are not promised (docs/quality.md)."""
+    Zen4). Equal answers from a hit are not promised (docs/quality.md); a hit's output on this model is held to
+    the cold one in float32 by tests/test_prefix_cache_engine.py."""
     with running_server(
         smollm2_served,
         page_size=16,

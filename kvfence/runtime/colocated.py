@@ -91,7 +91,7 @@ def cmd_serve(config: Config, args: argparse.Namespace) -> int:
     from kvfence.server.tenants import load_keys_file
 
     try:
-        listener = open_front_door(config, "serve")  # keys, TLS, the port: before minutes of loading
+        listeners = open_front_door(config, "serve")  # keys, TLS, the port: before minutes of loading
     except FrontDoorClosed as exc:
         print(exc, file=sys.stderr)
         return 2
@@ -118,5 +118,5 @@ def cmd_serve(config: Config, args: argparse.Namespace) -> int:
         return {"mode": "colocated", "config": config.to_dict(public=True)}
 
     return serve_http(
-        llm, config, ServerMetrics(), config_view=config_view, preflight=report, listener=listener
+        llm, config, ServerMetrics(), config_view=config_view, preflight=report, listeners=listeners
     )

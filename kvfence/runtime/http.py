@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import logging
 import socket
@@ -34,9 +35,9 @@ def serve_http(
     preflight: PreflightReport | None = None,
     kv_source: KvSource | None = None,
     cluster: ClusterControl | None = None,
-    listener: socket.socket,
+    listeners: list[socket.socket],
 ) -> int:
-    """Serve on `listener` (from `open_front_door`) until interrupted. `config_view`: what `GET /debug/config`
+    """Serve on `listeners` (from `open_front_door`) until interrupted. `config_view`: what `GET /debug/config`
     returns (admin key only)."""
     from kvfence.server.app import build_app
     from kvfence.server.async_engine import AsyncEngine
@@ -72,11 +73,13 @@ def serve_http(
         cluster=cluster,
     )
     app = build_app(async_engine, settings, metrics, kv_source=kv_source)
-    port = listener.getsockname()[1]  # --port 0: the one the OS gave
+    port = listeners[0].getsockname()[1]  # --port 0: the one the OS gave
     uv_config = uvicorn.Config(app, host=server.host, port=port, log_level="info",
                                ssl_keyfile=server.ssl_keyfile, ssl_certfile=server.ssl_certfile)  # fmt: skip
     print(how_to_call(server.host, port, name, with_key=keys is not None, tls=tls), flush=True)
-    Front(uv_config).run(sockets=[listener])
+    # Ctrl+C: uvicorn shuts down, then re-raises the interrupt (uvicorn.run swallows it too)
+    with contextlib.suppress(KeyboardInterrupt):
+        Front(uv_config).run(sockets=listeners)
     return 0
 
 
@@ -84,11 +87,12 @@ class FrontDoorClosed(Exception):
     """What stops an HTTP command before anything loads (its message for stderr; exit 2)."""
 
 
-def open_front_door(config: Config, command: str) -> socket.socket:
-    """The checks of `front_door_problem`, then the HTTP port, bound before anything else: before minutes of
+def open_front_door(config: Config, command: str) -> list[socket.socket]:
+    """The checks of `front_door_problem`, then the HTTP port, held before anything else: before minutes of
     loading (a port in use is said at once), and before the PD router and workers bind ports the OS picks (it
     could hand out --port to one of them while uvicorn had not bound it yet: it did, once in a full test run).
-    Bound, not listening: until uvicorn serves, a client is refused, not kept waiting."""
+    The sockets listen from here on (a socket only bound, with SO_REUSEADDR, lets another such socket bind the
+    port too): a client that connects while the model loads waits in the backlog until uvicorn serves."""
     if problem := front_door_problem(config, command):
         raise FrontDoorClosed(problem)
     try:
@@ -100,19 +104,30 @@ def open_front_door(config: Config, command: str) -> socket.socket:
         ) from exc
 
 
-def bind_http(host: str, port: int) -> socket.socket:
-    """A TCP socket bound to (host, port), as uvicorn binds its own (SO_REUSEADDR: a port left in TIME_WAIT by
-    the last run is free again)."""
-    family, kind, _, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
-    # proto must say TCP: asyncio sets TCP_NODELAY only on such sockets (kvfence/server/background.py)
-    sock = socket.socket(family, kind, socket.IPPROTO_TCP)
+def bind_http(host: str, port: int, backlog: int = 2048) -> list[socket.socket]:
+    """Listening TCP sockets on every address `host` names (`localhost`: 127.0.0.1 and ::1; "": all), as
+    asyncio's `create_server` binds uvicorn's own: SO_REUSEADDR (a port left in TIME_WAIT by the last run is
+    free again), IPv6 sockets IPv6 only. With port 0, every address gets the port the first one got."""
+    infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    addresses = list(dict.fromkeys((family, addr) for family, _, _, _, addr in infos))
+    sockets: list[socket.socket] = []
     try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(addr)
+        for family, addr in addresses:
+            # proto must say TCP: asyncio sets TCP_NODELAY only on such sockets (kvfence/server/background.py)
+            sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+            sockets.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            if sockets[1:]:  # port 0: the first socket's
+                addr = (addr[0], sockets[0].getsockname()[1], *addr[2:])
+            sock.bind(addr)
+            sock.listen(backlog)
     except OSError:
-        sock.close()
+        for sock in sockets:
+            sock.close()
         raise
-    return sock
+    return sockets
 
 
 class Front(uvicorn.Server):
@@ -123,9 +138,10 @@ class Front(uvicorn.Server):
         await super().startup(sockets)
         if self.started and sockets:
             scheme = "https" if self.config.is_ssl else "http"
+            host = f"[{self.config.host}]" if ":" in self.config.host else self.config.host
             port = sockets[0].getsockname()[1]
             logging.getLogger("uvicorn.error").info(
-                "Uvicorn running on %s://%s:%d (Press CTRL+C to quit)", scheme, self.config.host, port
+                "Uvicorn running on %s://%s:%d (Press CTRL+C to quit)", scheme, host, port
             )
 
 

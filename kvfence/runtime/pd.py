@@ -78,7 +78,7 @@ def worker_keys(config: Config, role: str) -> keys.WorkerKeys | None:
 def cmd_router(config: Config, args: argparse.Namespace) -> int:
     exit_on_sigterm()
     try:
-        listener = open_front_door(config, "router")
+        listeners = open_front_door(config, "router")
     except FrontDoorClosed as exc:
         print(exc, file=sys.stderr)
         return 2
@@ -102,7 +102,7 @@ def cmd_router(config: Config, args: argparse.Namespace) -> int:
         ):
             print("kvfence router: workers did not register in time", file=sys.stderr)
             return 1
-        return serve_router(router, config, listener)
+        return serve_router(router, config, listeners)
     finally:
         router.shutdown()
 
@@ -113,7 +113,7 @@ def cmd_serve_pd(config: Config, args: argparse.Namespace) -> int:
     per worker, and removed at exit: no configuration, and still only these processes can join."""
     exit_on_sigterm()
     try:  # the HTTP port first: the router and workers bind ports the OS picks, never this one
-        listener = open_front_door(config, "serve")
+        listeners = open_front_door(config, "serve")
     except FrontDoorClosed as exc:
         print(exc, file=sys.stderr)
         return 2
@@ -140,7 +140,7 @@ def cmd_serve_pd(config: Config, args: argparse.Namespace) -> int:
                     file=sys.stderr,
                 )
                 return 1
-            return serve_router(router, config, listener, local.control())
+            return serve_router(router, config, listeners, local.control())
     finally:
         if directory is not None:
             keys.remove(directory)
@@ -282,7 +282,7 @@ class LocalWorkers:
 
 
 def serve_router(
-    router: Router, config: Config, listener: socket.socket, cluster: ClusterControl | None = None
+    router: Router, config: Config, listeners: list[socket.socket], cluster: ClusterControl | None = None
 ) -> int:
     from kvfence.dashboard.routes import envelope
     from kvfence.model.loader import load_tokenizer
@@ -317,7 +317,7 @@ def serve_router(
         config_view=config_view,
         kv_source=kv_source,
         cluster=cluster,
-        listener=listener,
+        listeners=listeners,
     )
 
 

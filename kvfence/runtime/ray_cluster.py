@@ -200,6 +200,9 @@ class RayWorkers:
         return RayHandle(actor, name, self.router.worker_exited)
 
 
+PORT_TAKEN = "kvfence serve --ray: cannot serve on"
+
+
 class RouterActor:
     """The router and its HTTP front (a Ray actor on the driver's node): it makes the keys, starts the worker
     actors and serves until told to stop."""
@@ -211,7 +214,13 @@ class RouterActor:
         _log_like_the_cli()
         self.config = Config.from_json(tree)
         # the HTTP port before the router's, which the OS picks (it could pick --port while this one is free)
-        self.listener = bind_http(self.config.server.host, self.config.server.port)
+        server = self.config.server
+        try:
+            self.listeners = bind_http(server.host, server.port)
+        except OSError as exc:  # the driver prints this line (cmd_serve_ray)
+            raise RuntimeError(
+                f"{PORT_TAKEN} --host {server.host} --port {server.port}: {exc.strerror or exc}"
+            ) from exc
         self.keys_dir = keys.ephemeral(prefill=KEY_POOL, decode=KEY_POOL)
         self.router = Router(
             bind=f"tcp://{node_ip()}:0",
@@ -232,7 +241,7 @@ class RouterActor:
         """The HTTP front, until the process is asked to stop (blocks one of the actor's threads)."""
         from kvfence.runtime.pd import serve_router
 
-        return serve_router(self.router, self.config, self.listener, self.control())
+        return serve_router(self.router, self.config, self.listeners, self.control())
 
     def control(self) -> Any:
         from kvfence.server.serving import ClusterControl
@@ -306,7 +315,16 @@ def cmd_serve_ray(config: Config, args: argparse.Namespace) -> int:
                     "(ray start --resources; docs/scale-out.md)", ", ".join(missing))  # fmt: skip
     router = start_router(config, ray)
     try:
-        if not ray.get(router.wait_ready.remote(config.pd.registration_timeout)):
+        try:
+            ready = ray.get(router.wait_ready.remote(config.pd.registration_timeout))
+        except ray.exceptions.RayActorError as exc:  # the router actor's __init__ raised: its port, say
+            said = [line.strip() for line in str(exc).splitlines() if PORT_TAKEN in line]
+            print(
+                said[-1].split("RuntimeError: ")[-1] if said else f"kvfence serve --ray: {exc}",
+                file=sys.stderr,
+            )
+            return 2
+        if not ready:
             print("kvfence serve --ray: the workers did not register (see their logs above)", file=sys.stderr)
             return 1
         return int(ray.get(router.serve.remote()))
