@@ -266,3 +266,31 @@ def test_decode_threads_apply_to_decode_only_steps(tiny_model):
         assert run_all(reference)["a"].token_ids == got
     finally:
         torch.set_num_threads(before)
+
+
+def test_a_row_whose_logits_are_not_finite_fails_its_request_and_no_other(tiny_model, batch_case):
+    """A NaN in one request's logits (a kernel or numerical fault, a corrupt page that passed every check): the
+    sampler's pick among NaNs is an index, not the model's answer. That request fails (non_finite_logits, a 500
+    at the HTTP front) with nothing more emitted; the other requests of the same steps finish with the tokens
+    they get alone."""
+    prompts, params, expected = batch_case
+    engine = make_engine(tiny_model)
+    ids = [engine.add_request(p, sp).request_id for p, sp in zip(prompts, params, strict=True)]
+    sampler, calls = engine.runner.sampler, []
+
+    def poisoned(logits, *args):
+        calls.append(len(calls))
+        if len(calls) == 4:  # a decode step of every request: the third sampling row's logits go NaN
+            logits = logits.clone()
+            logits[2, 7] = float("nan")
+        return sampler(logits, *args)
+
+    engine.runner.sampler = poisoned
+    final = run_all(engine)
+    failed = [i for i in ids if final[i].finish_reason == "error"]
+    assert len(failed) == 1 and final[failed[0]].error_code == "non_finite_logits"
+    assert final[failed[0]].token_ids == expected[ids.index(failed[0])][: len(final[failed[0]].token_ids)]
+    for i, want in zip(ids, expected, strict=True):
+        if i not in failed:
+            assert final[i].token_ids == want and final[i].finish_reason == "length"
+    assert engine.stats.outcomes.get("failed:non_finite_logits") == 1

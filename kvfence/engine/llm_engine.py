@@ -242,6 +242,9 @@ class LLMEngine(PDHandover):
             self._stamp(plan, result)
             scheduled, failed = self._verify(scheduled, after_step=True)
             outputs += failed
+            if result.nonfinite:  # a NaN or an infinity in a row's logits: no token of it is an answer
+                scheduled, failed = self._fail_nonfinite(scheduled, result.nonfinite)
+                outputs += failed
         except Exception:
             # A step that blows up must not wedge the engine: fail the requests it carried (their pages are
             # released under the step's hold, so they stay quarantined until it is dropped below) and go on.
@@ -369,6 +372,19 @@ class LLMEngine(PDHandover):
             self.stats.integrity_failures += 1
             failed.append(self._fail(s.request, "kv_integrity_error"))
         return [s for s in scheduled if s.request.request_id not in bad], failed
+
+    def _fail_nonfinite(
+        self, scheduled: list[Scheduled], broken: frozenset[RequestId]
+    ) -> tuple[list[Scheduled], list[RequestOutput]]:
+        """Fail the requests whose logits were not finite (500 non_finite_logits): the sampler's pick among NaNs
+        is an index, not a token the model chose. The step's other requests go on."""
+        failed = []
+        for s in scheduled:
+            if s.request.request_id in broken and not s.request.state.terminal:
+                log.error("request %s: its logits hold a NaN or an infinity at step %d; failing it",
+                          s.request.request_id, self._step_no)  # fmt: skip
+                failed.append(self._fail(s.request, "non_finite_logits"))
+        return [s for s in scheduled if s.request.request_id not in broken], failed
 
     def _fail(self, request: Request, code: str) -> RequestOutput:
         self.scheduler.finish(request, RequestState.FAILED, "error", code)

@@ -88,7 +88,7 @@ class ModelRunner:
             return StepResult(sampled={}, written=written, prompt_logprobs=prompt_lp)
         if head.sample_at is not None:
             logits = logits[head.sample_at]
-        tokens, logprobs = self.sampler(
+        tokens, logprobs, broken = self.sampler(
             logits,
             [r.params for r in sample_rows],
             [r.num_generated for r in sample_rows],
@@ -99,7 +99,13 @@ class ModelRunner:
         token_list = tokens.tolist()
         sampled = {r.request_id: t for r, t in zip(sample_rows, token_list, strict=True)}
         top = self._logprobs(sample_rows, tokens, logprobs)
-        return StepResult(sampled=sampled, written=written, logprobs=top, prompt_logprobs=prompt_lp)
+        return StepResult(
+            sampled=sampled,
+            written=written,
+            logprobs=top,
+            prompt_logprobs=prompt_lp,
+            nonfinite=frozenset(sample_rows[i].request_id for i in broken),
+        )
 
     def _prepare(
         self, plan: Plan

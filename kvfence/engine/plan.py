@@ -61,3 +61,5 @@ class StepResult:
     logprobs: dict[RequestId, tuple[float, tuple[tuple[int, float], ...]]] | None = None
     # per row with prompt_targets: one (logprob, top-k) entry per target, in order
     prompt_logprobs: dict[RequestId, tuple[tuple[float, tuple[tuple[int, float], ...]], ...]] | None = None
+    # sampling rows whose logits held a NaN or +inf: their requests fail (non_finite_logits), nothing is emitted
+    nonfinite: frozenset[RequestId] = frozenset()
