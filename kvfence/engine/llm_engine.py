@@ -380,7 +380,7 @@ class LLMEngine(PDHandover):
         is an index, not a token the model chose. The step's other requests go on."""
         failed = []
         for s in scheduled:
-            if s.request.request_id in broken and not s.request.state.terminal:
+            if s.request.request_id in broken:
                 log.error("request %s: its logits hold a NaN or an infinity at step %d; failing it",
                           s.request.request_id, self._step_no)  # fmt: skip
                 failed.append(self._fail(s.request, "non_finite_logits"))

@@ -95,12 +95,16 @@ def open_front_door(config: Config, command: str) -> list[socket.socket]:
     port too): a client that connects while the model loads waits in the backlog until uvicorn serves."""
     if problem := front_door_problem(config, command):
         raise FrontDoorClosed(problem)
+    return hold_port(config.server.host, config.server.port, command)
+
+
+def hold_port(host: str, port: int, command: str) -> list[socket.socket]:
+    """`bind_http`, or FrontDoorClosed saying which port and why (`kvfence COMMAND: cannot serve on ...`)."""
     try:
-        return bind_http(config.server.host, config.server.port)
+        return bind_http(host, port)
     except OSError as exc:
         raise FrontDoorClosed(
-            f"kvfence {command}: cannot serve on --host {config.server.host} --port {config.server.port}: "
-            f"{exc.strerror or exc}"
+            f"kvfence {command}: cannot serve on --host {host} --port {port}: {exc.strerror or exc}"
         ) from exc
 
 

@@ -200,7 +200,7 @@ class RayWorkers:
         return RayHandle(actor, name, self.router.worker_exited)
 
 
-PORT_TAKEN = "kvfence serve --ray: cannot serve on"
+PORT_TAKEN = "kvfence serve --ray: cannot serve on"  # how `hold_port` begins its line for the router actor
 
 
 class RouterActor:
@@ -209,18 +209,15 @@ class RouterActor:
 
     def __init__(self, tree: str) -> None:
         from kvfence.pd.router import Router
-        from kvfence.runtime.http import bind_http, tenant_shares
+        from kvfence.runtime.http import FrontDoorClosed, hold_port, tenant_shares
 
         _log_like_the_cli()
         self.config = Config.from_json(tree)
         # the HTTP port before the router's, which the OS picks (it could pick --port while this one is free)
-        server = self.config.server
         try:
-            self.listeners = bind_http(server.host, server.port)
-        except OSError as exc:  # the driver prints this line (cmd_serve_ray)
-            raise RuntimeError(
-                f"{PORT_TAKEN} --host {server.host} --port {server.port}: {exc.strerror or exc}"
-            ) from exc
+            self.listeners = hold_port(self.config.server.host, self.config.server.port, "serve --ray")
+        except FrontDoorClosed as exc:  # the driver finds this line in the actor's error (cmd_serve_ray)
+            raise RuntimeError(str(exc)) from exc
         self.keys_dir = keys.ephemeral(prefill=KEY_POOL, decode=KEY_POOL)
         self.router = Router(
             bind=f"tcp://{node_ip()}:0",
