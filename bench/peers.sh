@@ -9,7 +9,8 @@
 #                               # floods (16 in flight, 1,700-token prompts; FAIRNESS_HARD=1 adds 64 in flight,
 #                               # 2,000-token prompts), against kvfence (vtc with B's weight 1, 4 and 8; fcfs)
 #                               # and vLLM (issue 25); FAIRNESS_POLICIES="vtc vtc-w8 vtc-t512 fcfs" picks the
-#                               # kvfence configurations (-wN: B's weight, -tN: --max-num-batched-tokens),
+#                               # kvfence configurations (-wN: B's weight, -tN: --max-num-batched-tokens,
+#                               # -noint: --no-interrupt-steps),
 #                               # FAIRNESS_VLLM=0 skips vLLM
 #   bench/peers.sh scale [SIZE...]  # issue 26: W3, W4, W5 and W6 (bench/serve.py) on synthetic models of real
 #                               # shapes (bench/make_synthetic.py; SIZE: qwen05, llama1b; default both) against
@@ -331,16 +332,18 @@ fairness_loads() {  # fairness_loads LABEL: bench/fairness.py's loads against th
 }
 
 run_fairness() {  # kvfence configurations in FAIRNESS_POLICIES, then vLLM. A configuration is a policy (vtc,
-  # fcfs) with optional suffixes: -wN (tenant B's weight N), -tN (--max-num-batched-tokens N)
-  local keys=$RESULTS/fairness-keys.toml config policy pid weight tokens
+  # fcfs) with optional suffixes: -wN (tenant B's weight N), -tN (--max-num-batched-tokens N), -noint
+  # (--no-interrupt-steps)
+  local keys=$RESULTS/fairness-keys.toml config policy pid weight tokens interrupts
   for config in ${FAIRNESS_POLICIES:-vtc vtc-w4 vtc-w8 fcfs}; do
     policy=${config%%-*}
     weight=$(grep -o -- '-w[0-9.]*' <<<"$config" | cut -c3- || true)
     tokens=$(grep -o -- '-t[0-9]*' <<<"$config" | cut -c3- || true)
+    interrupts=; [[ $config == *-noint* ]] && interrupts=--no-interrupt-steps
     printf '[tenants.a]\nkeys = ["key-a"]\n[tenants.b]\nkeys = ["key-b"]\n' >"$keys"
     [[ -n $weight ]] && printf 'weight = %s\n' "$weight" >>"$keys"
     "$ROOT/.venv/bin/kvfence" serve --port "$PORT" --threads "$THREADS" --dtype bfloat16 --api-keys "$keys" \
-      --scheduling-policy "$policy" ${tokens:+--max-num-batched-tokens "$tokens"} --metrics-key scrape-key \
+      --scheduling-policy "$policy" ${tokens:+--max-num-batched-tokens "$tokens"} $interrupts --metrics-key scrape-key \
       >"$RESULTS/kvfence-fairness-$config.log" 2>&1 &
     pid=$!
     wait_healthy "http://127.0.0.1:$PORT/health" "$pid" 300 && FAIRNESS_METRICS_KEY=scrape-key fairness_loads "kvfence-$config"

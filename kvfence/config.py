@@ -139,6 +139,12 @@ class SchedulerOptions:
     prefill_batch_tokens: int = option(
         256, "a step with prefill tokens takes another request's prefill only within this many (0: no limit)"
     )
+    interrupt_steps: bool = option(
+        True,
+        "vtc: a step with more prompt tokens than --prefill-batch-tokens stops between layers when a tenant "
+        "with no work here sends a request, which then goes first (docs/fairness.md); --no-interrupt-steps: "
+        "such a step runs to its end",
+    )
     policy: str = option(
         "vtc",
         "order across tenants: vtc (virtual token counters, with the keys file's weights and page shares; "

@@ -233,11 +233,11 @@ def test_a_failing_forward_step_fails_its_requests_and_the_engine_goes_on(tiny_m
     real_run = engine.runner.run
     calls = iter([RuntimeError("simulated device fault")])
 
-    def flaky(plan):
+    def flaky(plan, stop=None):
         exc = next(calls, None)
         if exc is not None:
             raise exc
-        return real_run(plan)
+        return real_run(plan, stop)
 
     monkeypatch.setattr(engine.runner, "run", flaky)
     final = run_all(engine)

@@ -17,7 +17,7 @@ import logging
 import threading
 import time
 from collections import Counter, deque
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -32,7 +32,7 @@ from kvfence.engine.grammar import Grammars
 from kvfence.engine.handover import PDHandover
 from kvfence.engine.model_runner import ModelRunner
 from kvfence.engine.output import OutputProcessor, RequestOutput
-from kvfence.engine.plan import Plan, StepResult
+from kvfence.engine.plan import Plan, StepInterrupted, StepResult, Stop
 from kvfence.engine.request import Request, RequestState, SamplingParams
 from kvfence.engine.scheduler import Scheduled, Scheduler
 from kvfence.engine.stats import EngineSnapshot, EngineStats, TenantSnapshot
@@ -121,6 +121,13 @@ class LLMEngine(PDHandover):
         self._reads: tuple[list[Scheduled], StepReads] | None = None  # this step's I1 arrays (engine thread)
         self._blocked = False  # the last step had requests but could schedule none (engine thread)
         self._aborts: set[RequestId] = set()
+        # a long step's tenants (under _lock, None when no step may be interrupted): a request of another tenant
+        # sets _interrupt, and the step stops at its next layer (`_interruptible`)
+        self._step_tenants: frozenset[str] | None = None
+        self._interrupt = threading.Event()
+        # a PD worker's look at its sockets between layers of such a step (one thread: nothing else would see a
+        # request arrive): whether a request of a tenant not in the set waits there (kvfence/pd/worker.py)
+        self.arrivals: Callable[[frozenset[str]], bool] | None = None
         self._requests: dict[RequestId, Request] = {}  # engine thread only
         self._live_ids: set[RequestId] = set()  # under _lock: every id from admission until the request ends
         self._ids = itertools.count()
@@ -144,6 +151,8 @@ class LLMEngine(PDHandover):
         request = self._admit(prompt, params, request_id, tenant, prefill_only)
         with self._lock:
             self._inbox.append(request)
+            if self._step_tenants is not None and tenant not in self._step_tenants:
+                self._interrupt.set()
         return request
 
     def _admit(
@@ -237,14 +246,19 @@ class LLMEngine(PDHandover):
             for row in plan.rows:
                 trace.emit("read", request_id=row.request_id, pages=[int(p) for p in row.pages],
                            leases=[int(x) for x in row.leases], written=self.pool.pages_for(row.start_pos))  # fmt: skip
+        stop = self._interruptible(plan)
         try:
-            result = self.runner.run(plan)
+            result = self.runner.run(plan, stop)
             self._stamp(plan, result)
             scheduled, failed = self._verify(scheduled, after_step=True)
             outputs += failed
             if result.nonfinite:  # a NaN or an infinity in a row's logits: no token of it is an answer
                 scheduled, failed = self._fail_nonfinite(scheduled, result.nonfinite)
                 outputs += failed
+        except StepInterrupted:
+            self.stats.steps_interrupted += 1
+            log.debug("step %d interrupted: a tenant with no work here sent a request", plan.step)
+            return outputs
         except Exception:
             # A step that blows up must not wedge the engine: fail the requests it carried (their pages are
             # released under the step's hold, so they stay quarantined until it is dropped below) and go on.
@@ -253,6 +267,9 @@ class LLMEngine(PDHandover):
                 self._fail(s.request, "internal_error") for s in scheduled if not s.request.state.terminal
             ]
         finally:
+            if stop is not None:
+                with self._lock:
+                    self._step_tenants = None
             self.pool.unhold(held)
             self._reads = None
         self.stats.steps += 1
@@ -267,6 +284,33 @@ class LLMEngine(PDHandover):
                 self._end(self._requests[out.request_id])
         self.stats.preemptions = self.scheduler.num_preemptions
         return outputs + self._canary()
+
+    def _interruptible(self, plan: Plan) -> Stop | None:
+        """Whether this step may stop between layers (vtc, `--interrupt-steps`): when it holds more prompt tokens
+        than a step holds while several tenants have work (`--prefill-batch-tokens`, the scheduler's contended
+        budget), which only a lone tenant's step does. A request of a tenant with no work here then stops it,
+        and the next step starts that tenant's first piece instead of making it wait for the rest of this one
+        (on 2 cores a 2,048-token step takes about a second; docs/fairness.md). Abandoned, the step changes
+        nothing the scheduler knows: no token is computed or charged, its requests keep their pages and run the
+        same tokens again (the partial K/V written beyond what they have computed is overwritten before it is
+        read, I1). It costs the interrupted tenant at most the time the newcomer's tenant was idle: a tenant
+        that keeps arriving after going idle leaves the others the steps they would have had with it busy.
+        Returns the runner's `stop` (None: this step runs to its end)."""
+        cap = self.config.scheduler.prefill_batch_tokens
+        if not (self.config.scheduler.interrupt_steps and self.scheduler.fairness.enabled and cap):
+            return None
+        if sum(row.num_new_tokens for row in plan.rows if row.num_new_tokens > 1) <= cap:
+            return None
+        tenants = frozenset(self.scheduler.backlogged())
+        with self._lock:
+            self._interrupt.clear()
+            self._step_tenants = tenants
+            if any(r.tenant not in tenants for r in self._inbox):  # arrived since the inbox was drained
+                self._interrupt.set()
+        interrupt, arrivals = self._interrupt, self.arrivals
+        if arrivals is None:
+            return interrupt.is_set
+        return lambda: interrupt.is_set() or arrivals(tenants)
 
     def _drain_inbox(self) -> list[RequestOutput]:
         with self._lock:  # adds move to the scheduler under the lock so has_unfinished() never misses them
@@ -428,6 +472,7 @@ class LLMEngine(PDHandover):
             outcomes=dict(self.stats.outcomes),
             prefix_cache=cache.stats() if cache is not None else None,
             tenants=self.tenant_snapshots(),
+            steps_interrupted=self.stats.steps_interrupted,
         )
 
     def tenant_snapshots(self) -> dict[str, TenantSnapshot]:

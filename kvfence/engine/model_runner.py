@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvfence.engine.plan import Plan, PlanRow, StepResult
+from kvfence.engine.plan import Plan, PlanRow, StepResult, Stop
 from kvfence.faults import Faults
 from kvfence.ids import PageId, RequestId
 from kvfence.model.config import ModelConfig
@@ -75,13 +75,16 @@ class ModelRunner:
         prefix-cache pages (kv/prefix_cache.py)."""
         return [self.cache.page_digest(page) for page in pages]
 
-    def run(self, plan: Plan) -> StepResult:
+    def run(self, plan: Plan, stop: Stop | None = None) -> StepResult:
+        """One forward step and its sampling. `stop`: asked between layers; yes raises StepInterrupted."""
         token_ids, meta, written, head = self._prepare(plan)
         if self.threads is not None:
             want = self.threads[0] if meta.prefills else self.threads[1]
             if torch.get_num_threads() != want:  # per thread in OpenMP: set here, on the thread that steps
                 torch.set_num_threads(want)
-        logits = self.model(token_ids, meta, self.cache)  # [N, V]: the rows of meta.sample_idx, in its order
+        logits = self.model(
+            token_ids, meta, self.cache, stop
+        )  # [N, V]: the rows of meta.sample_idx, in its order
         prompt_lp = self._prompt_logprobs(plan, logits, head)
         sample_rows = [row for row in plan.rows if row.sample]
         if not sample_rows:

@@ -3,6 +3,7 @@ K/V lives. Plain data; the runner turns it into tensors and returns sampled toke
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -63,3 +64,13 @@ class StepResult:
     prompt_logprobs: dict[RequestId, tuple[tuple[float, tuple[tuple[int, float], ...]], ...]] | None = None
     # sampling rows whose logits held a NaN or +inf: their requests fail (non_finite_logits), nothing is emitted
     nonfinite: frozenset[RequestId] = frozenset()
+
+
+class StepInterrupted(Exception):
+    """Raised by a runner whose `stop` said yes between two layers: the step is abandoned, nothing of it is
+    stamped or emitted, and its requests run the same tokens again in a later step. What it wrote before
+    stopping lies in pages its requests own, beyond what they have computed, and is written over before anything
+    reads it (engine/llm_engine.py, `_interruptible`)."""
+
+
+Stop = Callable[[], bool]  # asked between layers of a step that may be interrupted

@@ -11,6 +11,9 @@ from kvfence.kv.prefix_cache import PrefixCacheStats
 @dataclass
 class EngineStats:
     steps: int = 0
+    steps_interrupted: int = (
+        0  # abandoned between layers for a tenant that had no work (engine/llm_engine.py)
+    )
     tokens_computed: int = 0
     integrity_checks: int = 0  # request-checks performed (one per scheduled request, twice per step)
     pages_checked: int = 0
@@ -47,3 +50,4 @@ class EngineSnapshot:
     outcomes: dict[str, int] = field(default_factory=dict)
     prefix_cache: PrefixCacheStats | None = None  # None when the engine runs without a prefix cache
     tenants: dict[str, TenantSnapshot] = field(default_factory=dict)
+    steps_interrupted: int | None = None  # long steps stopped for a newcomer tenant (None: not this engine's)

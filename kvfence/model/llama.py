@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from kvfence.config import KernelOptions
+from kvfence.engine.plan import StepInterrupted, Stop
 from kvfence.model.config import ModelConfig
 from kvfence.model.kernels import Backend, KernelOps
 from kvfence.model.kernels import configure as configure_kernels
@@ -335,8 +336,11 @@ class LlamaForCausalLM(nn.Module):
         self.kernels: KernelOps | None = None  # the backend's C++ kernels, set at load
 
     @torch.inference_mode()
-    def forward(self, token_ids: Tensor, meta: AttentionMetadata, cache: PagedKV) -> Tensor:
-        """token_ids [T] -> logits [N, V] for the N tokens in meta.sample_idx (only those pay for the head)."""
+    def forward(
+        self, token_ids: Tensor, meta: AttentionMetadata, cache: PagedKV, stop: Stop | None = None
+    ) -> Tensor:
+        """token_ids [T] -> logits [N, V] for the N tokens in meta.sample_idx (only those pay for the head).
+        `stop`: asked before each layer; when it says yes the step raises StepInterrupted (engine/plan.py)."""
         assert self.rotary is not None
         x = self.model.embed_tokens(token_ids)  # [T, D]
         if self.kernels is not None:  # the decode kernel stops at each row's length: no mask
@@ -344,6 +348,8 @@ class LlamaForCausalLM(nn.Module):
             delta = None
             for layer in self.model.layers:
                 assert isinstance(layer, DecoderLayer)
+                if stop is not None and stop():
+                    raise StepInterrupted
                 delta = layer.forward_fused(self.kernels, x, delta, meta, cache, step)
             assert delta is not None
             x = self.kernels.add_rms_norm_(x, delta, self.model.norm.weight, self.model.norm.eps)
@@ -356,6 +362,8 @@ class LlamaForCausalLM(nn.Module):
             hide = (slots.unsqueeze(0) >= meta.decode_lens.unsqueeze(1))[:, None, None]
         step = StepTensors(*self.rotary.tables(meta.positions, x.dtype), hide)
         for layer in self.model.layers:
+            if stop is not None and stop():
+                raise StepInterrupted
             x = layer(x, meta, cache, step)
         if meta.sample_idx.numel() != x.shape[0]:  # only the tokens we sample pay for the norm and the head
             x = x[meta.sample_idx]

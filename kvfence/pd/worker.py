@@ -106,6 +106,8 @@ class Worker:
         self.last_router_msg = time.monotonic()
         self._register_at: float | None = None
         self._hinted = False
+        self._early: list[list[bytes]] = []  # control frames read during a step (`_arrivals`), handled next
+        engine.arrivals = self._arrivals
 
     def serve(self) -> None:
         self._register()
@@ -118,6 +120,8 @@ class Worker:
             while self.running:
                 # While only transfers are outstanding, wait on the sockets: a frame or an ack wakes the poll. A
                 # loop of empty steps here took a core from the other worker (docs/performance.md, session 8).
+                if self._early:  # read during the last step, before anything the poll finds
+                    self._drain(self.control)
                 for sock, _ in self.poller.poll(0 if steppable else IDLE_POLL_MS):
                     self._drain(sock)  # before the silence check: pings queued during a long step count
                 silence = ROUTER_SILENCE_S if self.registered else REGISTRATION_WAIT_S
@@ -206,12 +210,33 @@ class Worker:
             sock.send(control.encode(self._beat))
         sock.close(0)
 
+    def _arrivals(self, tenants: frozenset[str]) -> bool:
+        """Between layers of a step that may be interrupted (engine/llm_engine.py, `_interruptible`): read what
+        the router has sent, keeping it in order for the loop to handle after the step, and say whether it holds
+        a request of a tenant not in `tenants` (one with no work here). Nothing is handled mid-step."""
+        found = False
+        while True:
+            try:
+                frames = self.control.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return found
+            self._early.append(frames)
+            self.last_router_msg = time.monotonic()
+            try:
+                message = control.decode(frames[0])
+            except control.ControlError:
+                continue  # counted and dropped when the loop handles it
+            found |= isinstance(message, control.Prefill) and message.tenant not in tenants
+
     def _drain(self, sock: zmq.Socket[Any]) -> None:
         while self.running:
-            try:
-                frames = sock.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                return
+            if sock is self.control and self._early:
+                frames = self._early.pop(0)
+            else:
+                try:
+                    frames = sock.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    return
             if sock is self.control:
                 self.last_router_msg = time.monotonic()
                 self.role.on_control_frame(frames[0])

@@ -191,6 +191,12 @@ class _EngineCollector(Collector):
         yield _counter("kvfence_integrity_checks", "Per-request I1 checks performed", s.integrity_checks)
         yield _counter("kvfence_integrity_pages_checked", "Pages verified by I1 checks", s.pages_checked)
         yield _counter("kvfence_integrity_failures", "Requests failed by an I1 check", s.integrity_failures)
+        if s.steps_interrupted is not None:
+            yield _counter(
+                "kvfence_steps_interrupted",
+                "Long steps stopped between layers for a request of a tenant with no work (docs/fairness.md)",
+                s.steps_interrupted,
+            )
         if s.prefix_cache is not None:
             yield from _prefix_cache_metrics(s.prefix_cache)
         if s.tenants:

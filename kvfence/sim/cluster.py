@@ -46,7 +46,7 @@ from kvfence.pd import control, wire
 from kvfence.pd.local import layout_fingerprint
 from kvfence.pd.messages import PageFrame, Ticket
 from kvfence.pd.router_core import NoWorkers
-from kvfence.sim.nodes import ROUTER, VOCAB, Crash, SimRouter, SimWorker, make_engine, node_of
+from kvfence.sim.nodes import P_INTERRUPT, ROUTER, VOCAB, Crash, SimRouter, SimWorker, make_engine, node_of
 from kvfence.sim.runner import expected_token
 from kvfence.sim.scenario import BOOKKEEPING_KNOBS, Client, SimConfig
 from kvfence.sim.trace_check import TraceChecker
@@ -115,6 +115,9 @@ class Simulation:
         name = f"{kind}{next(self._names)}"
         pages = self.cfg.prefill_pages if kind == "prefill" else self.cfg.decode_pages
         engine, runner = make_engine(self.cfg, pages, self._faults(), next(self._lease_prefixes))
+        if self.cfg.interrupts:  # as if a newcomer tenant's request were waiting, at random (its own draws)
+            draw = random.Random(f"{self.cfg.seed}/{name}")
+            engine.arrivals = lambda tenants: draw.random() < P_INTERRUPT
         worker = SimWorker(name, kind, self, engine, runner)
         self.workers[name] = worker
         worker.register()
@@ -409,6 +412,7 @@ class Simulation:
             "events": self.events,
             "time": round(self.time, 3),
             "outcomes": outcomes,
+            "interrupted": sum(w.engine.stats.steps_interrupted for w in self.workers.values()),
         }
 
 

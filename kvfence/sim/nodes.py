@@ -29,6 +29,8 @@ from kvfence.sim.runner import ProvenanceRunner
 from kvfence.sim.scenario import SimConfig
 
 VOCAB = 64
+INTERRUPT_TOKENS = 8  # SimConfig.interrupts: steps with more prompt tokens than this may be interrupted
+P_INTERRUPT = 0.3  # ... and each time such a step asks, it is
 ROUTER = "router"
 
 
@@ -69,6 +71,7 @@ def make_engine(
         model="sim", dtype="float32", page_size=cfg.page_size, kv_pages=num_pages,
         context_length=cfg.context_length, max_num_seqs=8, max_num_batched_tokens=32, integrity_checks=cfg.checks,
         lease_prefix=lease_prefix, enable_prefix_cache=False, policy=cfg.policy,
+        **({"prefill_batch_tokens": INTERRUPT_TOKENS} if cfg.interrupts else {}),
     )  # fmt: skip
     return LLMEngine(config, sim_model(), runner=cast(ModelRunner, runner), faults=faults), runner
 

@@ -9,7 +9,7 @@ each record against the reader: the *provenance oracle*. A foreign or stale reco
 damage also shows in the output. Tokens are a pure function of (request, position): the simulator knows the
 exact output every request must produce.
 
-Everything the engine and the PD code call on a runner is here: `run(plan)`, `cache.read_page/write_page/
+Everything the engine and the PD code call on a runner is here: `run(plan, stop)`, `cache.read_page/write_page/
 page_bytes/page_digest`, `page_digests`, and the `drop_write` fault knob.
 """
 
@@ -23,7 +23,7 @@ import numpy as np
 import numpy.typing as npt
 import xxhash
 
-from kvfence.engine.plan import Plan, StepResult
+from kvfence.engine.plan import Plan, StepInterrupted, StepResult, Stop
 from kvfence.faults import Faults
 from kvfence.ids import PageId, RequestId
 
@@ -90,7 +90,9 @@ class ProvenanceRunner:
     def page_digests(self, pages: Sequence[PageId]) -> list[int]:
         return [self.cache.page_digest(p) for p in pages]
 
-    def run(self, plan: Plan) -> StepResult:
+    def run(self, plan: Plan, stop: Stop | None = None) -> StepResult:
+        """`stop`: asked after each row's writes (a real step stops between layers, its writes so far landed);
+        yes raises StepInterrupted, the rows written so far left in their pages, unreported."""
         S, kv = self.page_size, self.cache.data
         sampled: dict[RequestId, int] = {}
         written: list[tuple[int, ...]] = []
@@ -111,6 +113,8 @@ class ProvenanceRunner:
             if row.sample:
                 token = expected_token(row.request_id, row.context_len, self.vocab_size)
                 sampled[row.request_id] = POISON if poisoned else token
+            if stop is not None and stop():
+                raise StepInterrupted
         return StepResult(sampled=sampled, written=tuple(written))
 
     def _check_reads(self, rid: RequestId, key: int, pages: Sequence[PageId], num_cached: int) -> bool:

@@ -47,6 +47,9 @@ class SimConfig:
     # tenant -> {"weight", "min_pages", "max_pages"}: the router's keys file, sent to the workers at registration
     shares: dict[str, dict[str, Any]] = field(default_factory=dict)
     flood: bool = False  # tenant-a submits all its requests first, tenant-b a moment later (fairness tests)
+    # prefill workers' steps of more than INTERRUPT_TOKENS prompt tokens stop at random between rows, as for a
+    # newcomer tenant's request (engine/llm_engine.py, `_interruptible`): their partial writes under every check
+    interrupts: bool = False
     transfer_timeout_s: float = 1.5
     prefill_timeout_s: float = 3.0
     dead_after_s: float = 1.2
@@ -84,6 +87,7 @@ class SimConfig:
                 "tenant-a": {"weight": 1.0, "max_pages": rng.randint(small // 2, small)},
                 "tenant-b": {"weight": rng.choice([1.0, 2.0, 4.0]), "min_pages": rng.randint(0, small // 3)},
             }
+        config.interrupts = config.policy == "vtc" and rng.random() < 0.5
         names = {f.name for f in fields(cls)}
         for key, value in overrides.items():
             assert key in names, key
