@@ -372,6 +372,50 @@ def test_while_tenants_compete_a_step_holds_one_piece_of_prompt_work(tiny_model)
         assert sum(n for n in step.values() if n > 1) <= 32, step
 
 
+@pytest.mark.parametrize("b_weight", [8.0, 1.0])
+def test_a_returning_tenants_burst_goes_before_the_others_decodes_within_its_credit(tiny_model, b_weight):
+    """A's four requests are decoding when B comes back with three prompts. While B is the least served and has
+    prompt work, its steps hold no decode of A's (a flooder's decodes at long context made each step of B's burst
+    a third longer on 2 cores). The credit bounds it: weighing 8, B's three prompts (9 weighted tokens) stay within
+    the chunk it came back with, and A's decodes wait for all three; weighing 1, B passes A's counter after two,
+    and from then on every decode runs in every step, even when B is behind again with its third prompt."""
+    engine = make_engine(tiny_model, policy="vtc", max_num_batched_tokens=256, max_num_seqs=16,
+                         prefill_batch_tokens=32)  # fmt: skip
+    engine.set_tenants({"B": TenantShare(weight=b_weight)})
+    vocab = tiny_model.config.vocab_size
+    for i in range(4):
+        ids = [(j * (i + 2)) % (vocab - 3) + 3 for j in range(20)]
+        engine.add_request(ids, SamplingParams(max_tokens=60, ignore_eos=True), f"a{i}", tenant="A")
+    while (
+        any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running)
+        or len(engine.scheduler.running) < 4
+    ):
+        engine.step()
+    for i in range(3):
+        ids = [(j * (i + 7)) % (vocab - 3) + 3 for j in range(24)]
+        engine.add_request(ids, SamplingParams(max_tokens=4, ignore_eos=True), f"b{i}", tenant="B")
+    seen = record_steps(engine.scheduler)
+    for _ in range(3):
+        engine.step()
+        engine.check_integrity()
+    prompts = [[rid for rid, n in step.items() if n > 1] for step in seen]
+    a_decodes = [sum(1 for rid in step if rid.startswith("a")) for step in seen]
+    if b_weight == 8.0:  # one prompt a step (--prefill-batch-tokens), A's decodes held for all three
+        assert prompts == [["b0"], ["b1"], ["b2"]] and a_decodes == [0, 0, 0], seen
+        engine.step()
+        assert sum(1 for rid in seen[-1] if rid.startswith("a")) == 4, seen[-1]  # B's prompts done
+    else:  # past A's counter after two: A decodes (and B's third prompt waits for A to catch up, the gate)
+        assert prompts == [["b0"], ["b1"], []] and a_decodes == [0, 0, 4], seen
+        for _ in range(6):  # B's credit is spent: no decode is held again, whoever is behind
+            decoding = {
+                r.request_id for r in engine.scheduler.running if r.num_tokens - r.num_computed_tokens == 1
+            }
+            engine.step()
+            assert decoding <= set(seen[-1]) and sum(1 for rid in seen[-1] if rid.startswith("a")) == 4, seen
+    for _ in steps(engine):
+        pass
+
+
 def test_an_interrupted_steps_partial_writes_are_never_read():
     """With the simulator's runner (kvfence/sim/runner.py: every K/V slot says which request wrote it for which
     position, every read is checked) a step is interrupted after two of its three rows' writes landed,

@@ -16,7 +16,8 @@ busy) and down to the largest (what it got while nobody else wanted service is n
 tenants' counters stay within a bound set by one step's and one request's work and one chunk (tests assert
 it). Prompt tokens make steps long, so while several tenants have work, a tenant's prefill runs only while its
 counter after the piece stays within one chunk of the least served tenant's counter, a chunk per step
-(`PrefillGate`); decodes always run.
+(`PrefillGate`); decodes run, except that while a tenant that came back from idle is the least served and
+has prompt work, the others' decodes wait (the scheduler's `_decodes_held`, bounded by its credit).
 
 Pages. `min_pages` are guaranteed: while a tenant with a guarantee is backlogged, pages it is short of it are
 reserved (others may not take them), and preemption never takes a tenant below it. `max_pages` caps a tenant.
@@ -59,7 +60,8 @@ class PrefillGate:
     long (on CPU a 1,700-token prefill takes seconds; a decode step of 8 takes tens of milliseconds), and every
     running request waits for the whole step: so a tenant's prefill runs only while its counter *after* the
     piece stays within one chunk of the smallest backlogged counter, and at most `chunk` of its prompt tokens
-    per step. Decodes are never held back. The tenant furthest behind always gets its chunk (work conserving: a
+    per step. Decodes are not gated here (the scheduler holds them only for a returning tenant's burst,
+    `Scheduler._decodes_held`). The tenant furthest behind always gets its chunk (work conserving: a
     step is never left empty for fairness). Gated by the counter before the piece (sessions 17-23), a tenant a
     little ahead added a whole chunk to the step in which a returning tenant's prompt was finishing, and that
     prompt's first token waited for it (a chunk of a long prompt: 150-250 ms on 2 cores)."""
