@@ -314,6 +314,39 @@ def test_a_long_step_stops_between_layers_when_a_tenant_with_no_work_arrives(tin
     assert engine.stats.steps_interrupted == 1 and engine.snapshot().steps_interrupted == 1  # /metrics
 
 
+def test_a_tenant_whose_interrupt_came_to_nothing_does_not_interrupt_again(tiny_model):
+    """B's request stops A's long step and is aborted before the next (a client that hangs up): B had no work
+    for it. B's next request during A's step lets the step end: else B could stop A's steps for free, again and
+    again (found by a review: 50 of 50 steps stopped, A computed nothing). Once B has work in a step, it may
+    interrupt again."""
+    engine = make_engine(tiny_model, policy="vtc", max_num_batched_tokens=256, max_num_seqs=8,
+                         prefill_batch_tokens=32)  # fmt: skip
+    vocab = tiny_model.config.vocab_size
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    engine.add_request([(j * 5) % (vocab - 3) + 3 for j in range(200)], params, "a", tenant="A")
+    b_ids = [(j * 3) % (vocab - 3) + 3 for j in range(24)]
+
+    def arrive_and_hang_up(rid: str) -> None:
+        engine.add_request(b_ids, params, rid, tenant="B")
+        engine.abort(rid)
+
+    arrive_during_step(engine, lambda: arrive_and_hang_up("b0"))
+    engine.step()
+    assert engine.stats.steps_interrupted == 1
+    arrive_during_step(engine, lambda: arrive_and_hang_up("b1"))
+    engine.step()
+    a = next(r for r in engine.scheduler.running if r.request_id == "a")
+    assert engine.stats.steps_interrupted == 1 and a.num_computed_tokens == 200  # ran to its end
+    engine.add_request(b_ids, params, "b2", tenant="B")  # B gets work in a step ...
+    engine.add_request([(j * 7) % (vocab - 3) + 3 for j in range(200)], params, "a2", tenant="A")
+    for _ in steps(engine):
+        pass
+    engine.add_request([(j * 9) % (vocab - 3) + 3 for j in range(200)], params, "a3", tenant="A")
+    arrive_during_step(engine, lambda: engine.add_request(b_ids, params, "b3", tenant="B"))
+    engine.step()
+    assert engine.stats.steps_interrupted == 2  # ... and may interrupt again
+
+
 @pytest.mark.parametrize(
     "case", ["same tenant", "--no-interrupt-steps", "fcfs", "step within --prefill-batch-tokens"]
 )
@@ -374,11 +407,12 @@ def test_while_tenants_compete_a_step_holds_one_piece_of_prompt_work(tiny_model)
 
 @pytest.mark.parametrize("b_weight", [8.0, 1.0])
 def test_a_returning_tenants_burst_goes_before_the_others_decodes_within_its_credit(tiny_model, b_weight):
-    """A's four requests are decoding when B comes back with three prompts. While B is the least served and has
-    prompt work, its steps hold no decode of A's (a flooder's decodes at long context made each step of B's burst
-    a third longer on 2 cores). The credit bounds it: weighing 8, B's three prompts (9 weighted tokens) stay within
-    the chunk it came back with, and A's decodes wait for all three; weighing 1, B passes A's counter after two,
-    and from then on every decode runs in every step, even when B is behind again with its third prompt."""
+    """A's four requests are decoding when B comes back with three prompts (72 tokens). While B is the least
+    served and has prompt work, its steps (32 prompt tokens each, --prefill-batch-tokens) hold no decode of A's (a
+    flooder's decodes at long context made each step of B's burst a third longer on 2 cores). The credit bounds
+    it: weighing 8, B's prompts (9 weighted tokens) stay within the chunk (32) it came back with, and A's decodes
+    wait for all of them; weighing 1, B's first step spends the credit, and from then on every decode runs in
+    every step, even when B is behind again with prompt work left."""
     engine = make_engine(tiny_model, policy="vtc", max_num_batched_tokens=256, max_num_seqs=16,
                          prefill_batch_tokens=32)  # fmt: skip
     engine.set_tenants({"B": TenantShare(weight=b_weight)})
@@ -398,15 +432,16 @@ def test_a_returning_tenants_burst_goes_before_the_others_decodes_within_its_cre
     for _ in range(3):
         engine.step()
         engine.check_integrity()
-    prompts = [[rid for rid, n in step.items() if n > 1] for step in seen]
+    prompt_tokens = [sum(n for n in step.values() if n > 1) for step in seen]
     a_decodes = [sum(1 for rid in step if rid.startswith("a")) for step in seen]
-    if b_weight == 8.0:  # one prompt a step (--prefill-batch-tokens), A's decodes held for all three
-        assert prompts == [["b0"], ["b1"], ["b2"]] and a_decodes == [0, 0, 0], seen
+    assert all(n <= 32 for n in prompt_tokens), seen  # B's prompts, at most --prefill-batch-tokens a step
+    if b_weight == 8.0:  # 72 prompt tokens, 9 weighted: within the credit, A's decodes held for all of them
+        assert a_decodes == [0, 0, 0] and sum(prompt_tokens) == 72, seen
         engine.step()
         assert sum(1 for rid in seen[-1] if rid.startswith("a")) == 4, seen[-1]  # B's prompts done
-    else:  # past A's counter after two: A decodes (and B's third prompt waits for A to catch up, the gate)
-        assert prompts == [["b0"], ["b1"], []] and a_decodes == [0, 0, 4], seen
-        for _ in range(6):  # B's credit is spent: no decode is held again, whoever is behind
+    else:  # B's first 32 tokens spend its credit (32): even with A, A's decodes run again
+        assert a_decodes == [0, 4, 4], seen
+        for _ in range(6):  # and no decode is held again, whoever is behind
             decoding = {
                 r.request_id for r in engine.scheduler.running if r.num_tokens - r.num_computed_tokens == 1
             }
@@ -416,10 +451,59 @@ def test_a_returning_tenants_burst_goes_before_the_others_decodes_within_its_cre
         pass
 
 
+def decoding_tenant(tiny_model, n: int, **overrides: Any):
+    """A vtc engine (32 prompt tokens a contended step) whose tenant A has `n` requests decoding (60 tokens)."""
+    engine = make_engine(tiny_model, policy="vtc", max_num_batched_tokens=256, prefill_batch_tokens=32,
+                         **{"max_num_seqs": 16, **overrides})  # fmt: skip
+    vocab = tiny_model.config.vocab_size
+    for i in range(n):
+        ids = [(j * (i + 2)) % (vocab - 3) + 3 for j in range(20)]
+        engine.add_request(ids, SamplingParams(max_tokens=60, ignore_eos=True), f"a{i}", tenant="A")
+    while len(engine.scheduler.running) < n or any(
+        r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running
+    ):
+        engine.step()
+    return engine, vocab
+
+
+def test_held_decodes_run_when_the_returning_prompt_cannot(tiny_model):
+    """B comes back with two prompts while A's three requests decode, and --max-num-seqs 4 lets only b0 start. Once
+    b0's prompt is in, b1 cannot start, so nothing goes before A's decodes: they run (found by a review: held
+    until b0 ended, 101 steps without a token of A's)."""
+    engine, vocab = decoding_tenant(tiny_model, 3, max_num_seqs=4)
+    engine.set_tenants({"B": TenantShare(weight=8.0)})
+    for i in range(2):
+        ids = [(j * (i + 7)) % (vocab - 3) + 3 for j in range(24)]
+        engine.add_request(ids, SamplingParams(max_tokens=20, ignore_eos=True), f"b{i}", tenant="B")
+    seen = record_steps(engine.scheduler)
+    for _ in range(3):
+        engine.step()
+        engine.check_integrity()
+    assert seen[0] == {"b0": 24}, seen  # the burst first
+    assert all(sum(1 for rid in step if rid.startswith("a")) == 3 for step in seen[1:]), seen
+
+
+def test_held_decodes_do_not_make_room_for_more_prompt_tokens(tiny_model):
+    """B and C (weighing 4) come back together while A's eight requests decode: A's decodes are held, and the
+    steps still hold at most --prefill-batch-tokens prompt tokens (found by a review: the held decodes were
+    counted in the step's budget, and prompt chunks took their room: 40 of 32)."""
+    engine, vocab = decoding_tenant(tiny_model, 8)
+    engine.set_tenants({"B": TenantShare(weight=4.0), "C": TenantShare(weight=4.0)})
+    for i, tenant in enumerate("BC"):
+        ids = [(j * (i + 5)) % (vocab - 3) + 3 for j in range(100)]
+        engine.add_request(ids, SamplingParams(max_tokens=4, ignore_eos=True), tenant.lower(), tenant=tenant)
+    seen = record_steps(engine.scheduler)
+    for _ in range(6):
+        engine.step()
+        engine.check_integrity()
+    assert any(not any(rid.startswith("a") for rid in step) for step in seen), seen  # some held
+    assert all(sum(n for n in step.values() if n > 1) <= 32 for step in seen), seen
+
+
 def test_an_interrupted_steps_partial_writes_are_never_read():
     """With the simulator's runner (kvfence/sim/runner.py: every K/V slot says which request wrote it for which
-    position, every read is checked) a step is interrupted after two of its three rows' writes landed,
-    unstamped and uncounted; A's prompts then run again beside B's. No read sees a record that is not the reader's own,
+    position, every read is checked) a step of A's is interrupted after its rows' writes landed, unstamped and
+    uncounted; A's prompts then run again beside B's. No read sees a record that is not the reader's own,
     and every request's tokens are the ones a clean run gives."""
     from typing import cast
 

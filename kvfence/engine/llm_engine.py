@@ -125,9 +125,11 @@ class LLMEngine(PDHandover):
         # sets _interrupt, and the step stops at its next layer (`_interruptible`)
         self._step_tenants: frozenset[str] | None = None
         self._interrupt = threading.Event()
+        self._interrupted_by: set[str] = set()  # under _lock: the tenants that stopped the last step
+        self._no_interrupts: set[str] = set()  # under _lock: tenants whose last interrupt came to nothing
         # a PD worker's look at its sockets between layers of such a step (one thread: nothing else would see a
-        # request arrive): whether a request of a tenant not in the set waits there (kvfence/pd/worker.py)
-        self.arrivals: Callable[[frozenset[str]], bool] | None = None
+        # request arrive): the tenants of the requests that wait there (kvfence/pd/worker.py)
+        self.arrivals: Callable[[], list[str]] | None = None
         self._requests: dict[RequestId, Request] = {}  # engine thread only
         self._live_ids: set[RequestId] = set()  # under _lock: every id from admission until the request ends
         self._ids = itertools.count()
@@ -151,9 +153,18 @@ class LLMEngine(PDHandover):
         request = self._admit(prompt, params, request_id, tenant, prefill_only)
         with self._lock:
             self._inbox.append(request)
-            if self._step_tenants is not None and tenant not in self._step_tenants:
-                self._interrupt.set()
+            self._maybe_interrupt(tenant)
         return request
+
+    def _maybe_interrupt(self, tenant: str) -> None:
+        """Under _lock: stop the running step if it may be interrupted and `tenant` had no work when it began, unless
+        the tenant's last interrupt came to nothing (its request was gone by the next step: an abort, a client that
+        hung up) and it has had no work scheduled since: else a tenant could stop another's long steps for free,
+        again and again (found by a review: 50 of 50 steps stopped, A computed nothing)."""
+        if self._step_tenants is None or tenant in self._step_tenants or tenant in self._no_interrupts:
+            return
+        self._interrupt.set()
+        self._interrupted_by.add(tenant)
 
     def _admit(
         self,
@@ -230,6 +241,7 @@ class LLMEngine(PDHandover):
         outputs = self._drain_inbox()
         scheduled = self.scheduler.schedule()
         self._blocked = not scheduled
+        self._settle_interrupts(scheduled)
         if not scheduled:
             return outputs
         scheduled, failed = self._verify(scheduled, after_step=False)
@@ -246,8 +258,9 @@ class LLMEngine(PDHandover):
             for row in plan.rows:
                 trace.emit("read", request_id=row.request_id, pages=[int(p) for p in row.pages],
                            leases=[int(x) for x in row.leases], written=self.pool.pages_for(row.start_pos))  # fmt: skip
-        stop = self._interruptible(plan)
+        stop: Stop | None = None
         try:
+            stop = self._interruptible(plan)
             result = self.runner.run(plan, stop)
             self._stamp(plan, result)
             scheduled, failed = self._verify(scheduled, after_step=True)
@@ -285,10 +298,20 @@ class LLMEngine(PDHandover):
         self.stats.preemptions = self.scheduler.num_preemptions
         return outputs + self._canary()
 
+    def _settle_interrupts(self, scheduled: list[Scheduled]) -> None:
+        """After the inbox is drained: a tenant that interrupted the last step and has no work now may not
+        interrupt again until it has work in a step (`_maybe_interrupt`)."""
+        with self._lock:
+            if not (self._interrupted_by or self._no_interrupts):
+                return
+            self._no_interrupts |= self._interrupted_by - self.scheduler.backlogged()
+            self._no_interrupts -= {s.request.tenant for s in scheduled}
+            self._interrupted_by.clear()
+
     def _interruptible(self, plan: Plan) -> Stop | None:
         """Whether this step may stop between layers (vtc, `--interrupt-steps`): when it holds more prompt tokens
         than a step holds while several tenants have work (`--prefill-batch-tokens`, the scheduler's contended
-        budget), which only a lone tenant's step does. A request of a tenant with no work here then stops it,
+        budget): a lone tenant's step (or one the scheduler ran ungated so as not to stand idle). A request of a tenant with no work here then stops it,
         and the next step starts that tenant's first piece instead of making it wait for the rest of this one
         (on 2 cores a 2,048-token step takes about a second; docs/fairness.md). Abandoned, the step changes
         nothing the scheduler knows: no token is computed or charged, its requests keep their pages and run the
@@ -305,12 +328,19 @@ class LLMEngine(PDHandover):
         with self._lock:
             self._interrupt.clear()
             self._step_tenants = tenants
-            if any(r.tenant not in tenants for r in self._inbox):  # arrived since the inbox was drained
-                self._interrupt.set()
+            for request in self._inbox:  # arrived since the inbox was drained
+                self._maybe_interrupt(request.tenant)
         interrupt, arrivals = self._interrupt, self.arrivals
         if arrivals is None:
             return interrupt.is_set
-        return lambda: interrupt.is_set() or arrivals(tenants)
+
+        def stop() -> bool:
+            for tenant in arrivals():
+                with self._lock:
+                    self._maybe_interrupt(tenant)
+            return interrupt.is_set()
+
+        return stop
 
     def _drain_inbox(self) -> list[RequestOutput]:
         with self._lock:  # adds move to the scheduler under the lock so has_unfinished() never misses them

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvfence.engine.plan import Plan, PlanRow, StepResult, Stop
+from kvfence.engine.plan import Plan, PlanRow, StepInterrupted, StepResult, Stop
 from kvfence.faults import Faults
 from kvfence.ids import PageId, RequestId
 from kvfence.model.config import ModelConfig
@@ -82,9 +82,12 @@ class ModelRunner:
             want = self.threads[0] if meta.prefills else self.threads[1]
             if torch.get_num_threads() != want:  # per thread in OpenMP: set here, on the thread that steps
                 torch.set_num_threads(want)
-        logits = self.model(
-            token_ids, meta, self.cache, stop
-        )  # [N, V]: the rows of meta.sample_idx, in its order
+        try:  # [N, V]: the rows of meta.sample_idx, in its order
+            logits = self.model(token_ids, meta, self.cache, stop)
+        except StepInterrupted:
+            if self.device.startswith("cuda"):  # its pages are unheld next: no kernel of it may still write
+                torch.cuda.synchronize()
+            raise
         prompt_lp = self._prompt_logprobs(plan, logits, head)
         sample_rows = [row for row in plan.rows if row.sample]
         if not sample_rows:

@@ -88,9 +88,8 @@ class Scheduler:
         # pages tenants hold outside the scheduler, for fairness (PD: prefilled requests awaiting their transfer,
         # decode reservations, and 0 for a tenant queued for a reservation); the PD roles set it
         self.reserved_pages: Callable[[], Mapping[str, int]] = dict
-        self.returning: set[str] = (
-            set()
-        )  # tenants back from idle, least served, with prompt work (_decodes_held)
+        # tenants back from idle, least served, with prompt work (_decodes_held)
+        self.returning: set[str] = set()
 
     @property
     def chunk(self) -> int:
@@ -154,7 +153,8 @@ class Scheduler:
         return scheduled
 
     def _schedule(self, gate: PrefillGate | None) -> list[Scheduled]:
-        budget = self._budget(gate)
+        held_back = self._decodes_held(gate)
+        budget = self._budget(gate, held_back)
         scheduled: list[Scheduled] = []
         preempted = False
         first = self._start_below_share(budget, gate)
@@ -169,13 +169,14 @@ class Scheduler:
             piece = self.piece
             queue.sort(key=lambda r: self._running_order(r, piece))
         yielding = self._yields_to_waiting(gate) if gate is not None else None
-        held_back = self._decodes_held(gate)
         deferred: list[Request] = []  # prompt chunks that yield to another tenant's waiting request
+        held: list[Request] = []  # decodes that wait for a returning tenant's burst (`_decodes_held`)
         while queue and budget > 0:
             request = queue.pop(0)
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             if num_new == 1 and request.tenant in held_back:
-                continue  # a returning tenant's burst goes first (its pages stay)
+                held.append(request)  # a returning tenant's burst goes first (its pages stay)
+                continue
             if gate is not None and num_new > 1:
                 num_new = gate.allowance(request.tenant, num_new)
                 if num_new == 0:
@@ -245,9 +246,21 @@ class Scheduler:
             prefill += num_new
             if gate is not None:
                 gate.take(request.tenant, num_new)
+        if held and not any(s.num_new_tokens > 1 and s.request.tenant in self.returning for s in scheduled):
+            # the returning tenant's prompt could not start (max_num_seqs, pages, its cap): nothing goes before
+            # the held decodes, which run (their budget was left out of this step's, `_budget`)
+            in_step = {s.request.request_id for s in scheduled}
+            room = self.config.max_num_batched_tokens - sum(s.num_new_tokens for s in scheduled)
+            for request in held:
+                if room <= 0:
+                    break
+                running = request.state is RequestState.RUNNING and request.request_id not in in_step
+                if running and self._grow(request, 1):
+                    scheduled.append(Scheduled(request, 1))
+                    room -= 1
         return scheduled
 
-    def _budget(self, gate: PrefillGate | None) -> int:
+    def _budget(self, gate: PrefillGate | None, held_back: set[str]) -> int:
         """The step's tokens: `max_num_batched_tokens`; while several tenants have work (`gate`), its decodes
         and one `prefill_batch_tokens` of prompt work. A request of one tenant waits for the whole step another's
         prompt makes (on 2 cores a 2,048-token step takes about a second); with 256 prompt tokens a step takes
@@ -258,7 +271,9 @@ class Scheduler:
         cap = self.config.prefill_batch_tokens
         if gate is None or not cap:
             return budget
-        decodes = sum(1 for r in self.running if r.num_tokens - r.num_computed_tokens == 1)
+        decodes = sum(
+            1 for r in self.running if r.num_tokens - r.num_computed_tokens == 1 and r.tenant not in held_back
+        )  # held decodes do not make room for more prompt tokens
         return min(budget, decodes + cap)
 
     def _decodes_held(self, gate: PrefillGate | None) -> set[str]:
@@ -271,7 +286,10 @@ class Scheduler:
         weighted service (`Fairness.activate`), and it is returning only until its prompt work is done or
         another tenant is less served; tenants that never go idle hold nobody back (held at every turn of two
         busy tenants, the decodes cost both 70% on their TTFT p50)."""
-        if gate is None or not self.returning:
+        if gate is None:
+            self.returning.clear()  # a tenant alone (or fcfs) holds nobody back, now or later
+            return set()
+        if not self.returning:
             return set()
         backlogged = self.backlogged()
         counters = self.fairness.counters

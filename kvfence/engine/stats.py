@@ -11,9 +11,8 @@ from kvfence.kv.prefix_cache import PrefixCacheStats
 @dataclass
 class EngineStats:
     steps: int = 0
-    steps_interrupted: int = (
-        0  # abandoned between layers for a tenant that had no work (engine/llm_engine.py)
-    )
+    # steps abandoned between layers for a tenant that had no work (engine/llm_engine.py)
+    steps_interrupted: int = 0
     tokens_computed: int = 0
     integrity_checks: int = 0  # request-checks performed (one per scheduled request, twice per step)
     pages_checked: int = 0

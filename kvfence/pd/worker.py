@@ -210,23 +210,24 @@ class Worker:
             sock.send(control.encode(self._beat))
         sock.close(0)
 
-    def _arrivals(self, tenants: frozenset[str]) -> bool:
+    def _arrivals(self) -> list[str]:
         """Between layers of a step that may be interrupted (engine/llm_engine.py, `_interruptible`): read what
-        the router has sent, keeping it in order for the loop to handle after the step, and say whether it holds
-        a request of a tenant not in `tenants` (one with no work here). Nothing is handled mid-step."""
-        found = False
+        the router has sent, keeping it in order for the loop to handle after the step, and return the tenants
+        of the requests among it (the engine decides whether one stops the step). Nothing is handled mid-step."""
+        tenants: list[str] = []
         while True:
             try:
                 frames = self.control.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
-                return found
+                return tenants
             self._early.append(frames)
             self.last_router_msg = time.monotonic()
             try:
                 message = control.decode(frames[0])
             except control.ControlError:
                 continue  # counted and dropped when the loop handles it
-            found |= isinstance(message, control.Prefill) and message.tenant not in tenants
+            if isinstance(message, control.Prefill):
+                tenants.append(message.tenant)
 
     def _drain(self, sock: zmq.Socket[Any]) -> None:
         while self.running:

@@ -115,9 +115,9 @@ class Simulation:
         name = f"{kind}{next(self._names)}"
         pages = self.cfg.prefill_pages if kind == "prefill" else self.cfg.decode_pages
         engine, runner = make_engine(self.cfg, pages, self._faults(), next(self._lease_prefixes))
-        if self.cfg.interrupts:  # as if a newcomer tenant's request were waiting, at random (its own draws)
+        if self.cfg.interrupts and kind == "prefill":  # as if a newcomer's request were waiting, at random
             draw = random.Random(f"{self.cfg.seed}/{name}")
-            engine.arrivals = lambda tenants: draw.random() < P_INTERRUPT
+            engine.arrivals = lambda: [f"newcomer-{draw.random()}"] if draw.random() < P_INTERRUPT else []
         worker = SimWorker(name, kind, self, engine, runner)
         self.workers[name] = worker
         worker.register()
