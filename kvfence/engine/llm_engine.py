@@ -311,13 +311,14 @@ class LLMEngine(PDHandover):
     def _interruptible(self, plan: Plan) -> Stop | None:
         """Whether this step may stop between layers (vtc, `--interrupt-steps`): when it holds more prompt tokens
         than a step holds while several tenants have work (`--prefill-batch-tokens`, the scheduler's contended
-        budget): a lone tenant's step (or one the scheduler ran ungated so as not to stand idle). A request of a tenant with no work here then stops it,
-        and the next step starts that tenant's first piece instead of making it wait for the rest of this one
-        (on 2 cores a 2,048-token step takes about a second; docs/fairness.md). Abandoned, the step changes
-        nothing the scheduler knows: no token is computed or charged, its requests keep their pages and run the
-        same tokens again (the partial K/V written beyond what they have computed is overwritten before it is
-        read, I1). It costs the interrupted tenant at most the time the newcomer's tenant was idle: a tenant
-        that keeps arriving after going idle leaves the others the steps they would have had with it busy.
+        budget): a lone tenant's step, or one the scheduler ran ungated so as not to stand idle. A request of a
+        tenant with no work here then stops it (`_maybe_interrupt`), and the next step starts that tenant's
+        first piece instead of making it wait for the rest of this one (on 2 cores a 2,048-token step takes
+        about a second; docs/fairness.md). Abandoned, the step leaves the scheduler's state as schedule() left
+        it: no token is computed or charged, its requests keep their pages and place and run the same tokens
+        again (the partial K/V written beyond what they have computed is overwritten before it is read, I1). It
+        costs the interrupted tenant at most the time the newcomer's tenant was idle: a tenant that keeps
+        arriving after going idle leaves the others the steps they would have had with it busy.
         Returns the runner's `stop` (None: this step runs to its end)."""
         cap = self.config.scheduler.prefill_batch_tokens
         if not (self.config.scheduler.interrupt_steps and self.scheduler.fairness.enabled and cap):
