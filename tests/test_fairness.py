@@ -405,6 +405,21 @@ def test_while_tenants_compete_a_step_holds_one_piece_of_prompt_work(tiny_model)
         assert sum(n for n in step.values() if n > 1) <= 32, step
 
 
+def decoding_tenant(tiny_model, n: int, **overrides: Any):
+    """A vtc engine (32 prompt tokens a contended step) whose tenant A has `n` requests decoding (60 tokens)."""
+    engine = make_engine(tiny_model, policy="vtc", max_num_batched_tokens=256, prefill_batch_tokens=32,
+                         **{"max_num_seqs": 16, **overrides})  # fmt: skip
+    vocab = tiny_model.config.vocab_size
+    for i in range(n):
+        ids = [(j * (i + 2)) % (vocab - 3) + 3 for j in range(20)]
+        engine.add_request(ids, SamplingParams(max_tokens=60, ignore_eos=True), f"a{i}", tenant="A")
+    while len(engine.scheduler.running) < n or any(
+        r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running
+    ):
+        engine.step()
+    return engine, vocab
+
+
 @pytest.mark.parametrize("b_weight", [8.0, 1.0])
 def test_a_returning_tenants_burst_goes_before_the_others_decodes_within_its_credit(tiny_model, b_weight):
     """A's four requests are decoding when B comes back with three prompts (72 tokens). While B is the least
@@ -413,18 +428,8 @@ def test_a_returning_tenants_burst_goes_before_the_others_decodes_within_its_cre
     it: weighing 8, B's prompts (9 weighted tokens) stay within the chunk (32) it came back with, and A's decodes
     wait for all of them; weighing 1, B's first step spends the credit, and from then on every decode runs in
     every step, even when B is behind again with prompt work left."""
-    engine = make_engine(tiny_model, policy="vtc", max_num_batched_tokens=256, max_num_seqs=16,
-                         prefill_batch_tokens=32)  # fmt: skip
+    engine, vocab = decoding_tenant(tiny_model, 4)
     engine.set_tenants({"B": TenantShare(weight=b_weight)})
-    vocab = tiny_model.config.vocab_size
-    for i in range(4):
-        ids = [(j * (i + 2)) % (vocab - 3) + 3 for j in range(20)]
-        engine.add_request(ids, SamplingParams(max_tokens=60, ignore_eos=True), f"a{i}", tenant="A")
-    while (
-        any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running)
-        or len(engine.scheduler.running) < 4
-    ):
-        engine.step()
     for i in range(3):
         ids = [(j * (i + 7)) % (vocab - 3) + 3 for j in range(24)]
         engine.add_request(ids, SamplingParams(max_tokens=4, ignore_eos=True), f"b{i}", tenant="B")
@@ -449,21 +454,6 @@ def test_a_returning_tenants_burst_goes_before_the_others_decodes_within_its_cre
             assert decoding <= set(seen[-1]) and sum(1 for rid in seen[-1] if rid.startswith("a")) == 4, seen
     for _ in steps(engine):
         pass
-
-
-def decoding_tenant(tiny_model, n: int, **overrides: Any):
-    """A vtc engine (32 prompt tokens a contended step) whose tenant A has `n` requests decoding (60 tokens)."""
-    engine = make_engine(tiny_model, policy="vtc", max_num_batched_tokens=256, prefill_batch_tokens=32,
-                         **{"max_num_seqs": 16, **overrides})  # fmt: skip
-    vocab = tiny_model.config.vocab_size
-    for i in range(n):
-        ids = [(j * (i + 2)) % (vocab - 3) + 3 for j in range(20)]
-        engine.add_request(ids, SamplingParams(max_tokens=60, ignore_eos=True), f"a{i}", tenant="A")
-    while len(engine.scheduler.running) < n or any(
-        r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running
-    ):
-        engine.step()
-    return engine, vocab
 
 
 def test_held_decodes_run_when_the_returning_prompt_cannot(tiny_model):

@@ -265,10 +265,11 @@ def test_linear_layers_over_many_input_shapes_keep_memory_bounded():
 
     if not torch.backends.mkldnn.is_available():
         pytest.skip("no oneDNN in this torch build")
-    if (
-        not onednn_bf16_packing()
-    ):  # ONEDNN_MAX_CPU_ISA below AVX512-BW: no packed layers, the cache is not used
-        pytest.skip("oneDNN does not pack bfloat16 weights here (the model keeps plain layers)")
+    if not onednn_bf16_packing():  # a CPU (or ONEDNN_MAX_CPU_ISA) below AVX512-BW
+        pytest.skip(
+            "this CPU has no oneDNN bfloat16 weight packing, so the model has no packed layers and no oneDNN "
+            "shape cache for this test to bound"
+        )
     grown = {}
     for mode in ("defaults", "uncapped"):
         env = {
