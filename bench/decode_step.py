@@ -33,9 +33,17 @@ def main() -> None:
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument(
+        "--tile-linears",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="bfloat16 linear layers on AMX tiles where the CPU has them (--no-tile-linears: oneDNN's product)",
+    )
     args = p.parse_args()
     torch.set_num_threads(args.threads)
-    engine = LLMEngine(resolve(Config.of(model=args.model, threads=args.threads)))
+    engine = LLMEngine(
+        resolve(Config.of(model=args.model, threads=args.threads, tile_linears=args.tile_linears))
+    )
     rng = random.Random(0)
     vocab = engine.model_config.vocab_size
     params = SamplingParams(max_tokens=args.steps + 8, temperature=0.0, ignore_eos=True)

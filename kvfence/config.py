@@ -208,6 +208,11 @@ class KernelOptions:
     hugepages: bool = option(
         True, "back the KV pool and large buffers with transparent huge pages", env="KVFENCE_HUGEPAGES"
     )
+    tile_linears: bool = option(
+        True,
+        "bfloat16 linear layers on AMX tiles where the CPU has them (--no-tile-linears: oneDNN's product)",
+        env="KVFENCE_TILE_LINEARS",
+    )
 
     def __post_init__(self) -> None:
         check(self.int8 in INT8_MODES, f"--int8 {self.int8!r}: expected one of {', '.join(INT8_MODES)}")

@@ -22,6 +22,7 @@ SWITCHES = (
     "KVFENCE_INT8",
     "KVFENCE_KERNELS_MARCH",
     "KVFENCE_HUGEPAGES",
+    "KVFENCE_TILE_LINEARS",
 )
 
 
@@ -84,14 +85,16 @@ def test_quant_kernels_off_keeps_the_bfloat16_weights(gguf_path):
     model = build(gguf_path, kernel_options(kernels=True, quant_kernels=False))
     assert model.backend.ops is not None and not model.backend.takes_blocks
     linears = packed_linears(model)
-    assert all(m.panels is None and m.quant is None and m.packed_weight.numel() > 0 for m in linears)
+    assert all(m.panels is None and m.quant is None for m in linears)
+    # the bfloat16 weight, in oneDNN's layout or packed for AMX tiles
+    assert all((m.packed_weight.numel() > 0) != (m.tiles is not None) for m in linears)
 
 
 def test_the_options_win_over_the_environment(gguf_path, monkeypatch):
     """Switches in the environment that say the opposite change nothing once options are given: the layers never
     read the environment (`load_model` without options reads it once, through `KernelOptions.from_env`)."""
     loaded = load_model(gguf_path, torch.bfloat16, kernels=kernel_options(kernels=True, int8="0"))
-    for name, value in zip(SWITCHES, ("0", "0", "all", "bogus target!", "0"), strict=True):
+    for name, value in zip(SWITCHES, ("0", "0", "all", "bogus target!", "0", "0"), strict=True):
         monkeypatch.setenv(name, value)
     model = LlamaForCausalLM.from_loaded(loaded, torch.bfloat16, "cpu")
     assert model.backend.ops is not None and model.backend.int8 == "0" and model.backend.hugepages

@@ -125,7 +125,9 @@ def test_bfloat16_model_multiplies_by_the_blocks(tmp_path, mode):
         assert head.panels is None and head.weight is model.model.embed_tokens.weight
     else:
         assert qkv.panels.n == qkv.out_features and qkv.quant is None
-        assert (qkv.packed_weight.numel() == 0) == (mode == "all")  # kept only where prefills still use it
+        # a bfloat16 weight kept only where prefills still use it: oneDNN's, or the AMX tiles' (`tile_linear`)
+        assert (qkv.packed_weight.numel() == 0) == (mode == "all" or qkv.tiles is not None)
+        assert (qkv.tiles is not None) == (mode != "all" and model.backend.tiles)
         assert head.panels.kind == "Q8_0" and head.weight.numel() == 0  # the blocks for every step
 
     ids = torch.randint(

@@ -52,7 +52,11 @@ class PackedLinear(nn.Module):
     at most `QUANT_MAX_ROWS` rows multiply by them with bfloat16 activations. (The output head is an
     `OutputHead`: float32 logits.)"""
 
-    packed_weight: Tensor  # empty once every step takes the panels
+    packed_weight: Tensor  # empty once every step takes the panels, or on AMX tiles
+    tiles: Tensor | None = (
+        None  # the weight packed for `tile_linear` (`on_tiles`), instead of oneDNN's layout
+    )
+    bias_f32: Tensor | None = None  # the bias in float32, for `tile_linear`
     quant: QuantBlocks | None = None
     panels: QuantPanels | None = None
     panel_max_rows = FINE_MAX_ROWS  # steps of more rows take the bfloat16 weight ...
@@ -66,6 +70,25 @@ class PackedLinear(nn.Module):
         self.register_buffer("packed_weight", packed, persistent=False)
         self.out_features, self.in_features = linear.weight.shape
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach(), requires_grad=False)
+
+    @classmethod
+    def on_tiles(cls, linear: nn.Linear, packed: Tensor, kernels: KernelOps) -> PackedLinear:
+        """A layer whose every step multiplies on AMX tiles, its weight `packed` by `kernels.pack_tiles`."""
+        self = cls.__new__(cls)
+        nn.Module.__init__(self)
+        self.register_buffer("packed_weight", torch.empty(0, dtype=packed.dtype), persistent=False)
+        self.tiles = packed
+        self.kernels = kernels
+        self.out_features, self.in_features = linear.weight.shape
+        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach(), requires_grad=False)
+        self.bias_f32 = None if linear.bias is None else linear.bias.detach().float()
+        return self
+
+    @staticmethod
+    def takes_tiles(linear: nn.Linear) -> bool:
+        """Shapes `tile_linear` takes: both sides whole multiples of 32."""
+        n, k = linear.weight.shape
+        return n % 32 == 0 and k % 32 == 0
 
     @staticmethod
     def supported(dtype: torch.dtype, device: str) -> bool:
@@ -87,6 +110,11 @@ class PackedLinear(nn.Module):
             and x.shape[0] <= QUANT_MAX_ROWS[q.kind]
         ):
             y = self.kernels.quant_linear(x, q)
+        elif self.tiles is not None and self.kernels is not None:
+            rows = x.reshape(-1, self.in_features)
+            y = self.kernels.tile_linear(rows, self.tiles, self.bias_f32).view(
+                *x.shape[:-1], self.out_features
+            )
         else:
             y = torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
         return y
@@ -214,9 +242,10 @@ def attach_quantized(model: nn.Module, quantized: Mapping[str, QuantBlocks], bac
             # HEAD_FINE_MAX_ROWS, where two levels are slower than oneDNN was (docs/performance.md, session 10).
             if isinstance(module, OutputHead):
                 module.drop_weight()
-            elif backend.int8_prefill:  # the bfloat16 weight goes
+            elif backend.int8_prefill:  # the bfloat16 weight goes, in either layout
                 module.panel_max_rows = sys.maxsize
                 module.packed_weight = torch.empty(0, dtype=module.packed_weight.dtype)
+                module.tiles = None
         return
     placed = iter(hugepages.pack([t for _, b in takers for t in (b.qs, b.d, b.m)], huge=backend.hugepages))
     for module, blocks in takers:
@@ -225,12 +254,32 @@ def attach_quantized(model: nn.Module, quantized: Mapping[str, QuantBlocks], bac
         module.kernels = ops
 
 
-def pack_linears(model: nn.Module) -> None:
-    """Replace every nn.Linear by a PackedLinear (the output head is an `OutputHead`, whose logits stay float32)."""
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if isinstance(child, nn.Linear):
-                setattr(parent, name, PackedLinear(child))
+def pack_linears(model: nn.Module, backend: Backend) -> None:
+    """Replace every nn.Linear by a PackedLinear (the output head is an `OutputHead`, whose logits stay float32):
+    on AMX tiles where `backend.tiles` and the shape allows (the packed weights of all layers in one buffer, on
+    huge pages if the backend asks: a decode step streams them all), in oneDNN's layout otherwise."""
+    linears = [
+        (parent, name, child)
+        for parent in list(model.modules())
+        for name, child in list(parent.named_children())
+        if isinstance(child, nn.Linear)
+    ]
+    ops = backend.ops if backend.tiles else None
+    tiled = [child for _, _, child in linears if ops is not None and PackedLinear.takes_tiles(child)]
+    slots = hugepages.slots(
+        [((m.out_features // 32, m.in_features // 32, 16, 64), m.weight.dtype) for m in tiled],
+        huge=backend.hugepages,
+    )
+    placed = {id(m): slot for m, slot in zip(tiled, slots, strict=True)}
+    for parent, name, child in linears:
+        slot = placed.get(id(child))
+        if ops is not None and slot is not None:
+            slot.copy_(
+                ops.pack_tiles(child.weight.detach().contiguous())
+            )  # one layer's packing alive at once
+            setattr(parent, name, PackedLinear.on_tiles(child, slot, ops))
+        else:
+            setattr(parent, name, PackedLinear(child))
 
 
 FUSED = (  # fused parameter <- the Hugging Face parameters it concatenates, in row order

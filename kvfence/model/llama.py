@@ -409,10 +409,10 @@ class LlamaForCausalLM(nn.Module):
         if any(t.is_meta for t in model.state_dict().values()):
             raise RuntimeError("a parameter was left on the meta device")
         model.rotary = Rotary(cfg.head_dim, cfg.context_length, cfg.rope_theta, device, cfg.rope_freq_factors)
-        if PackedLinear.supported(dtype, device):
-            pack_linears(model)
         # no kernels when switched off, not bfloat16 on the CPU, or not buildable: the torch path then
         model.backend = backend = configure_kernels(options, dtype, device, cfg.head_dim)
+        if PackedLinear.supported(dtype, device):
+            pack_linears(model, backend)
         if backend.ops is not None:
             for module in model.modules():
                 if isinstance(module, (LlamaForCausalLM, Attention, MLP, OutputHead)):

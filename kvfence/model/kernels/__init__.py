@@ -63,6 +63,7 @@ SOURCES = tuple(
         "quant_linear.cpp",
         "panel_linear.cpp",
         "output_head.cpp",
+        "tile_linear.cpp",
         "bindings.cpp",
     )
 )
@@ -125,11 +126,13 @@ def ops(options: KernelOptions) -> KernelOps | None:
 def configure(options: KernelOptions, dtype: torch.dtype, device: str, head_dim: int) -> Backend:
     """The compute path of a model of this dtype, device and head dimension: decided here, once, at load."""
     applies = dtype == torch.bfloat16 and torch.device(device).type == "cpu" and supports(head_dim)
+    kernel_ops = ops(options) if applies else None
     return Backend(
-        ops=ops(options) if applies else None,
+        ops=kernel_ops,
         quant=options.quant_kernels,
         int8=options.int8,
         hugepages=options.hugepages,
+        tiles=options.tile_linears and kernel_ops is not None and kernel_ops.head_tiles,
     )
 
 

@@ -25,6 +25,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("out_f32") = false, nogil);
   m.def("linear_f32", &linear_f32, "x @ W^T, bfloat16 in, float32 out (the output head)", py::arg("x"),
         py::arg("w"), py::arg("tiles") = true, nogil);
+  m.def("pack_tiles", &pack_tiles, "a bfloat16 weight [N, K] packed for tile_linear", nogil);
+  m.def("tile_linear", &tile_linear, "x @ W^T (+ bias) on AMX tiles, W packed by pack_tiles", py::arg("x"),
+        py::arg("wt"), py::arg("bias"), py::arg("m_block"), nogil);
   m.def("head_tiles", &head_tiles, "whether linear_f32 runs on AMX tiles here");
   m.def("panel_vnni", &panel_vnni, "whether panel_linear has its AVX512-VNNI path here");
 }

@@ -7,6 +7,7 @@
 //   quant_linear.cpp       quant_linear: bfloat16 activations against the GGUF's Q4_1/Q8_0 blocks
 //   panel_linear.cpp       panel_linear (+ _scalar, panel_vnni): int8 activations against repacked blocks (VNNI)
 //   output_head.cpp        linear_f32, panel_linear_f32: the output head's float32 logits
+//   tile_linear.cpp        tile_linear, pack_tiles: bfloat16 linear layers on AMX tiles, weights prepacked
 //   bindings.cpp           the Python module (PYBIND11_MODULE)
 // Here: the includes, the conversions and vector helpers several families use (bfloat16 <-> float32, exp, dot
 // products, the horizontal-sum tree, prefetch), the row check of the linear layers, and every kernel's
@@ -19,6 +20,11 @@
 #include <ATen/Parallel.h>
 
 #include <immintrin.h>
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 #include <cmath>
 #include <cstdint>
@@ -207,6 +213,32 @@ inline __m512 sum16(const __m512* v) {
 }
 #endif
 
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+// ---- AMX (Intel Sapphire Rapids and later): what the tile kernels share ----
+
+constexpr int64_t TILE = 16;    // rows of a tile
+constexpr int64_t TILE_K = 32;  // bfloat16 values of K in one tile row (64 bytes)
+
+struct alignas(64) TileConfig {  // ldtilecfg's operand, palette 1
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+inline bool amx_permitted() {  // Linux hands out the tile state only to a process that asks (once; oneDNN asks too)
+  static const bool ok = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+  return ok;
+}
+
+inline void load_tile_config(TileConfig& cfg) {
+  // gcc 12 does not see that ldtilecfg reads the whole struct and drops the stores before it without this barrier
+  asm volatile("" : : "r"(&cfg) : "memory");
+  _tile_loadconfig(&cfg);
+}
+#endif
+
 // Linear-layer operands: bfloat16 rows [T, D], each row contiguous.
 inline void check_rows(const torch::Tensor& t, const char* name) {
   TORCH_CHECK(t.device().is_cpu(), name, ": CPU tensors only");
@@ -242,5 +274,7 @@ torch::Tensor panel_linear_f32(torch::Tensor x, torch::Tensor wp, torch::Tensor 
                                int64_t n, int64_t levels);
 torch::Tensor linear_f32(torch::Tensor x, torch::Tensor w, bool tiles);
 bool head_tiles();
+torch::Tensor pack_tiles(torch::Tensor w);
+torch::Tensor tile_linear(torch::Tensor x, torch::Tensor wt, c10::optional<torch::Tensor> bias, int64_t m_block);
 
 }  // namespace kvfence

@@ -99,6 +99,19 @@ class KernelOps:
         return out
 
 
+    def pack_tiles(self, weight: Tensor) -> Tensor:
+        """weight [N, K] bfloat16 (N and K multiples of 32) packed for `tile_linear`: [N / 32, K / 32, 16, 64]."""
+        out: Tensor = self.lib.pack_tiles(weight)
+        return out
+
+    def tile_linear(self, x: Tensor, packed: Tensor, bias: Tensor | None, m_block: int = 0) -> Tensor:
+        """x [M, K] @ W^T (+ bias [N]) on AMX tiles (only where `head_tiles`), W packed by `pack_tiles`: [M, N]
+        bfloat16, float32 sums rounded once; a row's outputs have the same bits in any batch. `m_block`: rows
+        per pass over the weights (0: the kernel's choice by K)."""
+        out: Tensor = self.lib.tile_linear(x, packed, bias, m_block)
+        return out
+
+
 def onednn_may_use_amx() -> bool:
     """Whether `ONEDNN_MAX_CPU_ISA` (or its older name `DNNL_MAX_CPU_ISA`) leaves oneDNN its AMX kernels: unset,
     or a cap that names AMX."""
@@ -113,12 +126,14 @@ class Backend:
     `ops`: the C++ kernels, or None for the plain torch path. `quant`: linear layers multiply by the GGUF's
     Q4_1/Q8_0 blocks in steps of few rows. `int8`: "decode" (those steps take int8 activations, `panel_linear`),
     "all" (every step does, and the bfloat16 weights are dropped) or "0" (bfloat16 activations, `quant_linear`).
-    `hugepages`: big long-lived buffers (KV pool, blocks) ask for transparent huge pages."""
+    `hugepages`: big long-lived buffers (KV pool, blocks) ask for transparent huge pages. `tiles`: bfloat16
+    linear layers multiply on AMX tiles (`tile_linear`) instead of oneDNN's product (only where `ops.head_tiles`)."""
 
     ops: KernelOps | None = None
     quant: bool = True
     int8: str = "decode"
     hugepages: bool = True
+    tiles: bool = False
 
     @property
     def takes_blocks(self) -> bool:

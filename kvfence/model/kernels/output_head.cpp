@@ -6,11 +6,6 @@
 
 #include "cpu_ops.h"
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-#include <sys/syscall.h>
-#include <unistd.h>
-#endif
-
 namespace kvfence {
 
 // Parallel over chunks of LOGIT_N_CHUNK columns; within a chunk, blocks of LOGIT_ROW_BLOCK rows, and within those
@@ -65,32 +60,15 @@ inline void logit_rows(const uint16_t* xp, int64_t ldx, const uint16_t* wp, floa
 // transposed. Every logit is the same sum in the same order whatever the other rows: the same rows give the same
 // bits in any batch. Tiles: 0-3 products, 4-5 weight, 6-7 hidden rows.
 
-constexpr int64_t TILE = 16;        // rows of a tile; also the tokens of a right-hand tile
-constexpr int64_t TILE_K = 32;      // bfloat16 values of K in one tile row (64 bytes)
 constexpr int64_t VOCAB_STEP = 32;  // vocabulary rows per iteration: two weight tiles
 
-struct alignas(64) TileConfig {
-  uint8_t palette = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-bool amx_permitted() {  // Linux hands out the tile state only to a process that asks (once; oneDNN asks too)
-  static const bool ok = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
-  return ok;
-}
-
-void configure_tiles() {
+void configure_tiles() {  // every tile 16 rows of 64 bytes
   TileConfig cfg;
   for (int t = 0; t < 8; ++t) {
     cfg.rows[t] = TILE;
     cfg.colsb[t] = 64;
   }
-  // gcc 12 does not see that ldtilecfg reads the whole struct and drops the stores above without this barrier
-  asm volatile("" : : "r"(&cfg) : "memory");
-  _tile_loadconfig(&cfg);
+  load_tile_config(cfg);
 }
 
 // out [M, N] float32 = x [M, K] @ w^T, w [N, K] bfloat16, K % 32 == 0

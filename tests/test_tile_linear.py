@@ -1,0 +1,152 @@
+"""bfloat16 linear layers on AMX tiles (kvfence/model/kernels/tile_linear.cpp): the weight packed once at load,
+every step multiplied on the tile unit. The kernel rounds float32 sums once, as oneDNN's product does; a row's
+outputs do not depend on the other rows of its step; a model whose linear layers take it computes what the
+oneDNN layers compute, to bfloat16 rounding. Where the CPU has no AMX (AMD Zen4) the layers keep oneDNN's
+product and the kernel's own tests skip."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from kvfence.model.kernels.ops import KernelOps
+from kvfence.model.linears import PackedLinear, onednn_bf16_packing
+from kvfence.model.llama import LlamaForCausalLM
+from kvfence.model.loader import load_model
+from tests.kernel_ops import kernel_ops, kernel_options
+from tests.model_factory import write_tiny_hf_dir
+from tests.test_forward import run_paged
+
+OPS = kernel_ops()
+amx = pytest.mark.skipif(
+    not OPS.head_tiles(), reason="no AMX tiles on this CPU: the layers keep oneDNN's product"
+)
+
+
+def bf16(rng: np.random.Generator, *shape: int, scale: float = 1.0) -> torch.Tensor:
+    return torch.from_numpy(rng.standard_normal(shape).astype(np.float32) * scale).bfloat16()
+
+
+@amx
+@pytest.mark.parametrize("k,n", [(32, 32), (128, 96), (896, 1152), (4864, 64)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_tile_linear_is_a_float32_sum_rounded_once(k, n, bias):
+    """Within one bfloat16 rounding (plus float32 noise) of a float64 reference, for every row count around the
+    tiles' 16 and the chunks' 32, with and without a bias added before the rounding."""
+    rng = np.random.default_rng(k + n + bias)
+    w = bf16(rng, n, k, scale=0.05)
+    b = bf16(rng, n) if bias else None
+    packed = OPS.pack_tiles(w)
+    assert packed.shape == (n // 32, k // 32, 16, 64)
+    for rows in (1, 2, 15, 16, 17, 31, 32, 33, 64, 100):
+        x = bf16(rng, rows, k)
+        out = OPS.tile_linear(x, packed, None if b is None else b.float(), 0)
+        ref = x.double() @ w.double().T + (0 if b is None else b.double())
+        assert out.dtype == torch.bfloat16 and out.shape == (rows, n)
+        scale = float(ref.abs().max())
+        torch.testing.assert_close(out.double(), ref, rtol=2**-8, atol=1e-5 * scale)
+        # mostly the very bfloat16 value of the float32 sum: the same rounding, only the order of the sum differs
+        assert (out == ref.float().bfloat16()).float().mean() > 0.99
+
+
+@amx
+def test_tile_linear_rows_do_not_depend_on_the_batch_or_the_pass_size():
+    """A row's outputs are the same bits alone, among others, anywhere in a tile or a chunk, and whatever rows per
+    pass (`m_block`) the kernel takes: a request's answer does not move with the other tenants' load, and a prompt
+    chunked differently gets the same projections."""
+    rng = np.random.default_rng(7)
+    w, b = bf16(rng, 96, 256, scale=0.05), torch.randn(96, generator=torch.Generator().manual_seed(1))
+    packed = OPS.pack_tiles(w)
+    x = bf16(rng, 70, 256)
+    alone = torch.cat([OPS.tile_linear(x[i : i + 1], packed, b, 0) for i in range(len(x))])
+    for rows in (2, 15, 16, 17, 32, 33, 48, 70):
+        for m_block in (0, 32, 64, 1024):
+            assert torch.equal(OPS.tile_linear(x[:rows], packed, b, m_block), alone[:rows]), (rows, m_block)
+    shuffled = torch.from_numpy(rng.permutation(len(x)))
+    assert torch.equal(OPS.tile_linear(x[shuffled], packed, b, 0), alone[shuffled])
+
+
+@amx
+def test_tile_linear_reads_strided_rows_and_refuses_what_does_not_fit():
+    rng = np.random.default_rng(3)
+    w = bf16(rng, 64, 128)
+    packed = OPS.pack_tiles(w)
+    wide = bf16(rng, 5, 160)
+    assert torch.equal(
+        OPS.tile_linear(wide[:, :128], packed, None, 0),
+        OPS.tile_linear(wide[:, :128].contiguous(), packed, None, 0),
+    )
+    assert OPS.tile_linear(wide[:0, :128], packed, None, 0).shape == (0, 64)
+    with pytest.raises(RuntimeError, match="columns"):
+        OPS.tile_linear(wide, packed, None, 0)  # K of 160 against a weight of 128
+    with pytest.raises(RuntimeError, match="m_block"):
+        OPS.tile_linear(wide[:, :128], packed, None, 48)
+    with pytest.raises(RuntimeError, match="bias"):
+        OPS.tile_linear(wide[:, :128], packed, torch.zeros(63), 0)
+    with pytest.raises(RuntimeError, match="packed"):
+        OPS.tile_linear(wide[:, :128], w, None, 0)  # not packed
+    with pytest.raises(RuntimeError, match="multiples of 32"):
+        OPS.pack_tiles(bf16(rng, 48, 128))
+
+
+def build(path, **changes):
+    loaded = load_model(path, torch.bfloat16, kernels=kernel_options(**changes))
+    return loaded, LlamaForCausalLM.from_loaded(loaded, torch.bfloat16, "cpu")
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: q/k/v biases, added before the rounding
+def test_a_model_on_tiles_computes_what_oneDNN_computes(tmp_path, monkeypatch, arch):
+    """Every projection of a bfloat16 model takes the tiles where the CPU has AMX (the packed weights in one
+    buffer, oneDNN's copy not kept), and none where it has not or `--no-tile-linears` says so. The logits of a
+    prompt prefilled in chunks and decoded a token at a time stay within bfloat16-class error of oneDNN's, and
+    the greedy choices agree. (On AMX, oneDNN's product sums over K in the same order: these small layers give
+    the same bits either way.)"""
+    path = write_tiny_hf_dir(tmp_path / arch, arch=arch, seed=4)
+    loaded, model = build(path, tile_linears=True)
+    linears = [m for m in model.modules() if isinstance(m, PackedLinear)]
+    assert bool(linears) == onednn_bf16_packing()
+    on_tiles = OPS.head_tiles() and bool(linears)
+    assert model.backend.tiles == OPS.head_tiles()
+    assert all((m.tiles is not None) == on_tiles for m in linears)
+    assert all((m.packed_weight.numel() == 0) == on_tiles for m in linears)
+    if arch == "qwen2" and on_tiles:
+        qkv = model.model.layers[0].self_attn.qkv_proj
+        assert qkv.bias_f32 is not None and qkv.bias_f32.dtype == torch.float32
+    _, off = build(path, tile_linears=False)
+    assert not off.backend.tiles
+    assert all(m.tiles is None for m in off.modules() if isinstance(m, PackedLinear))
+
+    ids = torch.randint(
+        0, loaded.config.vocab_size, (40,), generator=torch.Generator().manual_seed(2)
+    ).tolist()
+    chunks = [33, 1, 1, 1, 1, 1, 1, 1]
+    calls = []
+    real = KernelOps.tile_linear
+    monkeypatch.setattr(
+        KernelOps, "tile_linear", lambda self, x, *a: calls.append(len(x)) or real(self, x, *a)
+    )
+    tiles = run_paged(loaded, ids, chunks, dtype=torch.bfloat16, kernels=kernel_options(tile_linears=True))
+    # every projection of every layer, each step: the prefill's 33 rows, then one row at a time
+    layers = loaded.config.num_layers
+    assert calls == ([33] * 4 * layers + [1] * 4 * layers * 7 if on_tiles else [])
+    calls.clear()
+    onednn = run_paged(loaded, ids, chunks, dtype=torch.bfloat16, kernels=kernel_options(tile_linears=False))
+    assert calls == []
+    torch.testing.assert_close(tiles, onednn, rtol=0.05, atol=0.05 * float(onednn.abs().max()))
+    assert torch.equal(tiles.argmax(-1), onednn.argmax(-1))
+
+
+@amx
+def test_shapes_the_tiles_do_not_take_keep_onednn(tmp_path):
+    """A layer whose sides are not multiples of 32 (here hidden 48: every projection) stays in oneDNN's layout,
+    alone, while the model still loads and runs."""
+    path = write_tiny_hf_dir(
+        tmp_path / "odd", arch="llama", seed=4, hidden_size=48, num_heads=3, num_kv_heads=1, head_dim=16
+    )
+    loaded, model = build(path, tile_linears=True)
+    linears = {n: m for n, m in model.named_modules() if isinstance(m, PackedLinear)}
+    assert linears and all(m.tiles is None and m.packed_weight.numel() > 0 for m in linears.values())
+    ids = list(range(3, 20))
+    out = run_paged(loaded, ids, [17], dtype=torch.bfloat16, kernels=kernel_options(tile_linears=True))
+    assert torch.isfinite(out).all()
