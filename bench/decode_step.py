@@ -34,16 +34,15 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument(
-        "--tile-linears",
+        "--amx-tiles",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="bfloat16 linear layers on AMX tiles where the CPU has them (--no-tile-linears: oneDNN's product)",
+        help="AMX tile kernels for bfloat16 linear layers and prefill attention where the CPU has them "
+        "(--no-amx-tiles: oneDNN's products and torch's attention)",
     )
     args = p.parse_args()
     torch.set_num_threads(args.threads)
-    engine = LLMEngine(
-        resolve(Config.of(model=args.model, threads=args.threads, tile_linears=args.tile_linears))
-    )
+    engine = LLMEngine(resolve(Config.of(model=args.model, threads=args.threads, amx_tiles=args.amx_tiles)))
     rng = random.Random(0)
     vocab = engine.model_config.vocab_size
     params = SamplingParams(max_tokens=args.steps + 8, temperature=0.0, ignore_eos=True)

@@ -136,10 +136,11 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="one run, time per phase of the step")
     ap.add_argument("--torch-profile", action="store_true", help="with --profile: top torch operators")
     ap.add_argument(
-        "--tile-linears",
+        "--amx-tiles",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="bfloat16 linear layers on AMX tiles where the CPU has them (--no-tile-linears: oneDNN's product)",
+        help="AMX tile kernels for bfloat16 linear layers and prefill attention where the CPU has them "
+        "(--no-amx-tiles: oneDNN's products and torch's attention)",
     )
     args = ap.parse_args()
     engine = LLMEngine(
@@ -149,7 +150,7 @@ def main() -> None:
             max_num_seqs=args.requests,
             max_num_batched_tokens=args.max_batched_tokens,
             threads=args.threads,
-            tile_linears=args.tile_linears,
+            amx_tiles=args.amx_tiles,
         )
     )
     warmup = argparse.Namespace(**{**vars(args), "new_tokens": 4})

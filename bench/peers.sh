@@ -15,7 +15,8 @@
 #   bench/peers.sh scale [SIZE...]  # issue 26: W3, W4, W5 and W6 (bench/serve.py) on synthetic models of real
 #                               # shapes (bench/make_synthetic.py; SIZE: qwen05, llama1b; default both) against
 #                               # SCALE_SERVERS (default "kvfence kvfence-pd vllm llamacpp kvfence-q8"): kvfence
-#                               # colocated and PD and vLLM on the bfloat16 Hugging Face folder, llama.cpp and
+#                               # colocated and PD and vLLM on the bfloat16 Hugging Face folder (kvfence-notile:
+#                               # colocated with --no-amx-tiles, oneDNN's products), llama.cpp and
 #                               # kvfence-q8 on the Q8_0 GGUF; W6 at each of W6_RATES (requests/s, default
 #                               # "0.25 0.5 1"); results and each server's log in $RESULTS/scale/SIZE
 #                               # SCALE_WORKLOADS (default "W3 W4 W5 W6") runs some of them only, or adds W1
@@ -397,6 +398,8 @@ run_scale() {  # run_scale [SIZE...]: every server of SCALE_SERVERS on each synt
       case $server in
         kvfence) "$ROOT/.venv/bin/kvfence" serve --port "$PORT" --threads "$THREADS" --model "$dir/hf" \
                    --dtype bfloat16 --context-length 4096 >"$out/$server.log" 2>&1 & pid=$! ;;
+        kvfence-notile) "$ROOT/.venv/bin/kvfence" serve --port "$PORT" --threads "$THREADS" --model "$dir/hf" \
+                   --dtype bfloat16 --context-length 4096 --no-amx-tiles >"$out/$server.log" 2>&1 & pid=$! ;;
         kvfence-pd) "$ROOT/.venv/bin/kvfence" serve --port "$PORT" --threads "$THREADS" --model "$dir/hf" \
                    --dtype bfloat16 --context-length 4096 --mode pd >"$out/$server.log" 2>&1 & pid=$! ;;
         kvfence-q8) "$ROOT/.venv/bin/kvfence" serve --port "$PORT" --threads "$THREADS" \

@@ -208,10 +208,11 @@ class KernelOptions:
     hugepages: bool = option(
         True, "back the KV pool and large buffers with transparent huge pages", env="KVFENCE_HUGEPAGES"
     )
-    tile_linears: bool = option(
+    amx_tiles: bool = option(
         True,
-        "bfloat16 linear layers on AMX tiles where the CPU has them (--no-tile-linears: oneDNN's product)",
-        env="KVFENCE_TILE_LINEARS",
+        "AMX tile kernels for bfloat16 linear layers and prefill attention where the CPU has them "
+        "(--no-amx-tiles: oneDNN's products and torch's attention)",
+        env="KVFENCE_AMX_TILES",
     )
 
     def __post_init__(self) -> None:

@@ -167,7 +167,7 @@ def test_runner_reads_and_writes_only_block_table_pages(tiny_model, dtype):
 @pytest.mark.parametrize("tie,bias", [(True, False), (False, True)])
 def test_packed_bfloat16_linears_equal_plain_ones(tmp_path, monkeypatch, tie, bias):
     """bfloat16 on CPU without AMX tiles runs every projection through oneDNN with the weight packed once at load
-    (with them, `--no-tile-linears` does); the logits must
+    (with them, `--no-amx-tiles` does); the logits must
     be those of plain F.linear, bit for bit, on every attention path (a tied head gets its own packed copy). Where
     oneDNN cannot pack bfloat16 (no AVX512-BW, or ONEDNN_MAX_CPU_ISA capped below it) the model is built of plain
     layers instead, and the same comparison holds."""
@@ -185,7 +185,7 @@ def test_packed_bfloat16_linears_equal_plain_ones(tmp_path, monkeypatch, tie, bi
         0, loaded.config.vocab_size, (29,), generator=torch.Generator().manual_seed(1)
     ).tolist()
     chunks = [11, 7, 1, 1, 8, 1]
-    onednn = dataclasses.replace(loaded.kernels, tile_linears=False)  # AMX tiles: tests/test_tile_linear.py
+    onednn = dataclasses.replace(loaded.kernels, amx_tiles=False)  # AMX tiles: tests/test_tile_linear.py
     packed = run_paged(loaded, ids, chunks, dtype=torch.bfloat16, kernels=onednn)
     model = LlamaForCausalLM.from_weights(
         loaded.config, loaded.weights, torch.bfloat16, "cpu", kernels=onednn

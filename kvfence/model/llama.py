@@ -154,7 +154,8 @@ class Rotary:
 # faster there, 3x at 2,000 tokens, 1.6x for 32 queries over 2,000 keys; below, the kernel is, and for a few
 # queries over many keys (a short last chunk, a prefix-cache hit) the kernel stays (docs/performance.md, session
 # 18). Without AMX (AMD Zen4) the kernel is faster at every size, 1.6x for 256 queries over 1,792 keys and 3.2x
-# at 2,000 tokens (session 22), and takes every chunk.
+# at 2,000 tokens (session 22), and takes every chunk. With the AMX tile kernels on (`--amx-tiles`, the default
+# where the CPU has AMX) every chunk takes `prefill_attention_tiles` instead, 1.6-2.4x torch's (session 27).
 SDPA_MIN_QUERIES = 32
 SDPA_MIN_SCORES = 128 * 128
 
@@ -170,6 +171,7 @@ class Attention(nn.Module):
         self.o_proj = Linear(cfg.num_heads * dh, d, bias=False)
         self.scale = dh**-0.5
         self.kernels: KernelOps | None = None  # the backend's C++ kernels, set at load
+        self.tiles = False  # prefill chunks on AMX tiles (`Backend.tiles`), set at load
 
     def forward(self, x: Tensor, meta: AttentionMetadata, cache: PagedKV, step: StepTensors) -> Tensor:
         t, h, hkv, dh = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
@@ -206,14 +208,22 @@ class Attention(nn.Module):
         ctx, span = seq.start_pos + seq.q_len, slice(seq.q_start, seq.q_start + seq.q_len)
         kernels = self.kernels
         if kernels is not None and (
-            not kernels.prefill_sdpa or seq.q_len < SDPA_MIN_QUERIES or seq.q_len * ctx < SDPA_MIN_SCORES
+            self.tiles
+            or not kernels.prefill_sdpa
+            or seq.q_len < SDPA_MIN_QUERIES
+            or seq.q_len * ctx < SDPA_MIN_SCORES
         ):
             # query i sees keys [0, start_pos + i]: the chunk's own K/V, or every page read back
             if seq.start_pos == 0:
                 k, v = k_new[span], v_new[span]
             else:
                 k, v = (t[:ctx] for t in cache.gather(self.layer, seq.pages))
-            kernels.prefill_attention(out, q[span], k, v, self.scale)
+            if (
+                self.tiles
+            ):  # AMX: every chunk, 1.6-2.4x torch's flash attention (docs/performance.md, session 27)
+                kernels.prefill_attention_tiles(out, q[span], k, v, self.scale)
+            else:
+                kernels.prefill_attention(out, q[span], k, v, self.scale)
             return
         # torch's flash attention: its matrix products go through oneDNN (AMX where the CPU has it)
         qs = q[span].transpose(0, 1).unsqueeze(0)  # [1, H, q_len, Dh]
@@ -417,6 +427,8 @@ class LlamaForCausalLM(nn.Module):
             for module in model.modules():
                 if isinstance(module, (LlamaForCausalLM, Attention, MLP, OutputHead)):
                     module.kernels = backend.ops
+                if isinstance(module, Attention):
+                    module.tiles = backend.tiles and backend.ops.attention_tiles and cfg.head_dim % 32 == 0
             if quantized and backend.takes_blocks:
                 attach_quantized(model, fuse_quantized(quantized, cfg), backend)
         return model

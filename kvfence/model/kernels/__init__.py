@@ -64,6 +64,7 @@ SOURCES = tuple(
         "panel_linear.cpp",
         "output_head.cpp",
         "tile_linear.cpp",
+        "tile_attention.cpp",
         "bindings.cpp",
     )
 )
@@ -132,7 +133,7 @@ def configure(options: KernelOptions, dtype: torch.dtype, device: str, head_dim:
         quant=options.quant_kernels,
         int8=options.int8,
         hugepages=options.hugepages,
-        tiles=options.tile_linears and kernel_ops is not None and kernel_ops.head_tiles,
+        tiles=options.amx_tiles and kernel_ops is not None and kernel_ops.head_tiles,
     )
 
 

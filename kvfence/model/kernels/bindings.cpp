@@ -28,6 +28,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack_tiles", &pack_tiles, "a bfloat16 weight [N, K] packed for tile_linear", nogil);
   m.def("tile_linear", &tile_linear, "x @ W^T (+ bias) on AMX tiles, W packed by pack_tiles", py::arg("x"),
         py::arg("wt"), py::arg("bias"), py::arg("m_block"), nogil);
+  m.def("prefill_attention_tiles", &prefill_attention_tiles, "prefill_attention on AMX tiles", nogil);
+  m.def("attention_tiles", &attention_tiles, "whether prefill_attention_tiles runs here");
   m.def("head_tiles", &head_tiles, "whether linear_f32 runs on AMX tiles here");
   m.def("panel_vnni", &panel_vnni, "whether panel_linear has its AVX512-VNNI path here");
 }

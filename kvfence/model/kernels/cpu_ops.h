@@ -8,6 +8,7 @@
 //   panel_linear.cpp       panel_linear (+ _scalar, panel_vnni): int8 activations against repacked blocks (VNNI)
 //   output_head.cpp        linear_f32, panel_linear_f32: the output head's float32 logits
 //   tile_linear.cpp        tile_linear, pack_tiles: bfloat16 linear layers on AMX tiles, weights prepacked
+//   tile_attention.cpp     prefill_attention_tiles: prefill_attention on AMX tiles
 //   bindings.cpp           the Python module (PYBIND11_MODULE)
 // Here: the includes, the conversions and vector helpers several families use (bfloat16 <-> float32, exp, dot
 // products, the horizontal-sum tree, prefetch), the row check of the linear layers, and every kernel's
@@ -211,6 +212,21 @@ inline __m512 sum16(const __m512* v) {
   const __m512 c1 = _mm512_add_ps(_mm512_shuffle_f32x4(b[2], b[3], EVEN), _mm512_shuffle_f32x4(b[2], b[3], ODD));
   return _mm512_add_ps(_mm512_shuffle_f32x4(c0, c1, EVEN), _mm512_shuffle_f32x4(c0, c1, ODD));
 }
+
+// `sum16`'s tree with max instead of add: the maxima of v[0], ..., v[15] in lanes 0-15 of one vector
+inline __m512 max16(const __m512* v) {
+  __m512 a[8], b[4];
+  for (int i = 0; i < 8; ++i)
+    a[i] = _mm512_max_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) {
+    const __m512d x = _mm512_castps_pd(a[2 * i]), y = _mm512_castps_pd(a[2 * i + 1]);
+    b[i] = _mm512_max_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+  }
+  constexpr int EVEN = 0x88, ODD = 0xdd;
+  const __m512 c0 = _mm512_max_ps(_mm512_shuffle_f32x4(b[0], b[1], EVEN), _mm512_shuffle_f32x4(b[0], b[1], ODD));
+  const __m512 c1 = _mm512_max_ps(_mm512_shuffle_f32x4(b[2], b[3], EVEN), _mm512_shuffle_f32x4(b[2], b[3], ODD));
+  return _mm512_max_ps(_mm512_shuffle_f32x4(c0, c1, EVEN), _mm512_shuffle_f32x4(c0, c1, ODD));
+}
 #endif
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
@@ -276,5 +292,7 @@ torch::Tensor linear_f32(torch::Tensor x, torch::Tensor w, bool tiles);
 bool head_tiles();
 torch::Tensor pack_tiles(torch::Tensor w);
 torch::Tensor tile_linear(torch::Tensor x, torch::Tensor wt, c10::optional<torch::Tensor> bias, int64_t m_block);
+void prefill_attention_tiles(torch::Tensor out, torch::Tensor q, torch::Tensor k, torch::Tensor v, double scale);
+bool attention_tiles();
 
 }  // namespace kvfence

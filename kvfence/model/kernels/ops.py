@@ -35,6 +35,8 @@ class KernelOps:
         # runs its products on AMX tiles (3x faster at 2,000 tokens), not elsewhere (on AMD Zen4's AVX512-BF16
         # the kernel is 1.6-3x faster at every size; docs/performance.md, session 22)
         self.prefill_sdpa: bool = self.head_tiles and onednn_may_use_amx()
+        # whether `prefill_attention_tiles` runs here (AMX, and the process may use it)
+        self.attention_tiles: bool = bool(lib.attention_tiles())
 
     def paged_decode_attention(
         self, out: Tensor, q: Tensor, kv: Tensor, block_tables: Tensor, context_lens: Tensor, scale: float
@@ -51,6 +53,10 @@ class KernelOps:
         """Writes `out` [Lq, H, Dh]: causal attention of q [Lq, H, Dh] over k, v [Lk, Hkv, Dh], query i seeing
         keys 0 .. Lk - Lq + i."""
         self.lib.prefill_attention(out, q, k, v, scale)
+
+    def prefill_attention_tiles(self, out: Tensor, q: Tensor, k: Tensor, v: Tensor, scale: float) -> None:
+        """`prefill_attention` on AMX tiles (only where `attention_tiles`; Dh a multiple of 32, at most 256)."""
+        self.lib.prefill_attention_tiles(out, q, k, v, scale)
 
     def rms_norm(self, x: Tensor, weight: Tensor, eps: float) -> Tensor:
         """RMSNorm of every row of x [T, D]: a new tensor."""
@@ -97,7 +103,6 @@ class KernelOps:
         On AMX tiles where `head_tiles` (8x faster at 32 rows), unless `tiles` is False (tests, benchmarks)."""
         out: Tensor = self.lib.linear_f32(x, weight, tiles)
         return out
-
 
     def pack_tiles(self, weight: Tensor) -> Tensor:
         """weight [N, K] bfloat16 (N and K multiples of 32) packed for `tile_linear`: [N / 32, K / 32, 16, 64]."""

@@ -1,8 +1,10 @@
-"""bfloat16 linear layers on AMX tiles (kvfence/model/kernels/tile_linear.cpp): the weight packed once at load,
-every step multiplied on the tile unit. The kernel rounds float32 sums once, as oneDNN's product does; a row's
-outputs do not depend on the other rows of its step; a model whose linear layers take it computes what the
-oneDNN layers compute, to bfloat16 rounding. Where the CPU has no AMX (AMD Zen4) the layers keep oneDNN's
-product and the kernel's own tests skip."""
+"""The AMX tile kernels (`--amx-tiles`): bfloat16 linear layers (kvfence/model/kernels/tile_linear.cpp), the weight
+packed once at load and every step multiplied on the tile unit, and prefill attention (tile_attention.cpp). The
+linear kernel rounds float32 sums once, as oneDNN's product does, and a row's outputs do not depend on the other
+rows of its step; the attention kernel is the C++ kernel's attention (float32 softmax, bfloat16 probabilities),
+and no query sees a key past its own, also where the values hold NaN. A model on the tiles computes what oneDNN's
+layers and torch's attention compute, to bfloat16 rounding. Where the CPU has no AMX (AMD Zen4) the model keeps
+those, and the kernels' own tests skip."""
 
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from kvfence.model.loader import load_model
 from tests.kernel_ops import kernel_ops, kernel_options
 from tests.model_factory import write_tiny_hf_dir
 from tests.test_forward import run_paged
+from tests.test_kernels import prefill_case, prefill_reference
 
 OPS = kernel_ops()
 amx = pytest.mark.skipif(
@@ -97,42 +100,52 @@ def build(path, **changes):
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: q/k/v biases, added before the rounding
 def test_a_model_on_tiles_computes_what_oneDNN_computes(tmp_path, monkeypatch, arch):
-    """Every projection of a bfloat16 model takes the tiles where the CPU has AMX (the packed weights in one
-    buffer, oneDNN's copy not kept), and none where it has not or `--no-tile-linears` says so. The logits of a
-    prompt prefilled in chunks and decoded a token at a time stay within bfloat16-class error of oneDNN's, and
-    the greedy choices agree. (On AMX, oneDNN's product sums over K in the same order: these small layers give
-    the same bits either way.)"""
-    path = write_tiny_hf_dir(tmp_path / arch, arch=arch, seed=4)
-    loaded, model = build(path, tile_linears=True)
+    """Every projection of a bfloat16 model, and the attention of every prefill chunk, take the tiles where the
+    CPU has AMX (the packed weights in one buffer, oneDNN's copy not kept), and none where it has not or
+    `--no-amx-tiles` says so. The logits of a prompt prefilled in two chunks and decoded a token at a time stay
+    within bfloat16-class error of oneDNN's and torch's, and the greedy choices agree. (On AMX, oneDNN's product
+    sums over K in the same order: these small layers give the same bits either way.)"""
+    # heads of 32 dims: the attention kernel's tiles take multiples of 32
+    path = write_tiny_hf_dir(tmp_path / arch, arch=arch, seed=4, hidden_size=128, head_dim=32)
+    loaded, model = build(path, amx_tiles=True)
     linears = [m for m in model.modules() if isinstance(m, PackedLinear)]
     assert bool(linears) == onednn_bf16_packing()
     on_tiles = OPS.head_tiles() and bool(linears)
     assert model.backend.tiles == OPS.head_tiles()
+    assert all(layer.self_attn.tiles == on_tiles for layer in model.model.layers)
     assert all((m.tiles is not None) == on_tiles for m in linears)
     assert all((m.packed_weight.numel() == 0) == on_tiles for m in linears)
     if arch == "qwen2" and on_tiles:
         qkv = model.model.layers[0].self_attn.qkv_proj
         assert qkv.bias_f32 is not None and qkv.bias_f32.dtype == torch.float32
-    _, off = build(path, tile_linears=False)
+    _, off = build(path, amx_tiles=False)
     assert not off.backend.tiles
     assert all(m.tiles is None for m in off.modules() if isinstance(m, PackedLinear))
 
     ids = torch.randint(
         0, loaded.config.vocab_size, (40,), generator=torch.Generator().manual_seed(2)
     ).tolist()
-    chunks = [33, 1, 1, 1, 1, 1, 1, 1]
-    calls = []
-    real = KernelOps.tile_linear
+    calls, attention = [], []
+    real, real_attention = KernelOps.tile_linear, KernelOps.prefill_attention_tiles
     monkeypatch.setattr(
         KernelOps, "tile_linear", lambda self, x, *a: calls.append(len(x)) or real(self, x, *a)
     )
-    tiles = run_paged(loaded, ids, chunks, dtype=torch.bfloat16, kernels=kernel_options(tile_linears=True))
-    # every projection of every layer, each step: the prefill's 33 rows, then one row at a time
+    monkeypatch.setattr(
+        KernelOps,
+        "prefill_attention_tiles",
+        lambda self, out, *a: attention.append(len(out)) or real_attention(self, out, *a),
+    )
+    chunks = [25, 8, 1, 1, 1, 1, 1, 1, 1]  # a first chunk, a later one over the first's pages, decodes
+    tiles = run_paged(loaded, ids, chunks, dtype=torch.bfloat16, kernels=kernel_options(amx_tiles=True))
+    # every projection of every layer, each step: the chunks' rows, then one row at a time; each layer's
+    # attention of each chunk
     layers = loaded.config.num_layers
-    assert calls == ([33] * 4 * layers + [1] * 4 * layers * 7 if on_tiles else [])
+    assert calls == ([25] * 4 * layers + [8] * 4 * layers + [1] * 4 * layers * 7 if on_tiles else [])
+    assert attention == ([25] * layers + [8] * layers if on_tiles else [])
     calls.clear()
-    onednn = run_paged(loaded, ids, chunks, dtype=torch.bfloat16, kernels=kernel_options(tile_linears=False))
-    assert calls == []
+    attention.clear()
+    onednn = run_paged(loaded, ids, chunks, dtype=torch.bfloat16, kernels=kernel_options(amx_tiles=False))
+    assert calls == [] and attention == []
     torch.testing.assert_close(tiles, onednn, rtol=0.05, atol=0.05 * float(onednn.abs().max()))
     assert torch.equal(tiles.argmax(-1), onednn.argmax(-1))
 
@@ -144,9 +157,66 @@ def test_shapes_the_tiles_do_not_take_keep_onednn(tmp_path):
     path = write_tiny_hf_dir(
         tmp_path / "odd", arch="llama", seed=4, hidden_size=48, num_heads=3, num_kv_heads=1, head_dim=16
     )
-    loaded, model = build(path, tile_linears=True)
+    loaded, model = build(path, amx_tiles=True)
     linears = {n: m for n, m in model.named_modules() if isinstance(m, PackedLinear)}
     assert linears and all(m.tiles is None and m.packed_weight.numel() > 0 for m in linears.values())
     ids = list(range(3, 20))
-    out = run_paged(loaded, ids, [17], dtype=torch.bfloat16, kernels=kernel_options(tile_linears=True))
+    out = run_paged(loaded, ids, [17], dtype=torch.bfloat16, kernels=kernel_options(amx_tiles=True))
     assert torch.isfinite(out).all()
+
+
+@amx
+@pytest.mark.parametrize(
+    "q_len,k_len,heads,kv_heads,head_dim",
+    [(196, 196, 9, 3, 64), (7, 30, 4, 2, 32), (1, 1, 4, 4, 32), (100, 300, 8, 2, 128), (65, 65, 4, 2, 64),
+     (33, 41, 4, 2, 256), (2, 37, 14, 2, 64), (32, 64, 4, 1, 64)],
+)  # fmt: skip
+def test_attention_on_tiles_matches_float32(q_len, k_len, heads, kv_heads, head_dim):
+    """A first chunk (k_len == q_len) and later chunks (keys before the chunk); blocks of 32 queries and 32 keys
+    cut anywhere, a block of fewer than 16 queries, head sizes of one to eight tiles of 32 dims, and the query
+    heads that share each KV head."""
+    q, k, v = prefill_case(q_len, k_len, heads, kv_heads, head_dim)
+    out = torch.empty(q_len, heads, head_dim, dtype=torch.bfloat16)
+    OPS.prefill_attention_tiles(out, q, k, v, head_dim**-0.5)
+    torch.testing.assert_close(out.float(), prefill_reference(q, k, v, head_dim**-0.5), atol=1e-2, rtol=1e-2)
+
+
+@amx
+@pytest.mark.parametrize(
+    ("q_len", "k_len", "bad", "what"),
+    [(40, 41, 40, "kv"), (40, 40, 20, "kv"), (39, 45, 6, "kv"), (40, 42, 7, "kv"), (64, 64, 40, "v"),
+     (64, 64, 33, "k"), (50, 80, 63, "v")],
+)  # fmt: skip
+def test_attention_on_tiles_never_lets_a_query_see_past_its_keys(q_len, k_len, bad, what):
+    """NaN in one key's K and V (or only its V, or only its K): exactly the queries that see that key turn NaN,
+    every other output is unchanged. On the tile unit 0 x NaN is NaN, so a block with a NaN value where some
+    queries do not see every key must not weigh V there."""
+    q, k, v = prefill_case(q_len, k_len, 4, 2, 64, seed=2)
+    clean = torch.empty(q_len, 4, 64, dtype=torch.bfloat16)
+    OPS.prefill_attention_tiles(clean, q, k, v, 0.125)
+    k, v = k.clone(), v.clone()
+    if "k" in what:
+        k[bad] = float("nan")
+    if "v" in what:
+        v[bad] = float("nan")
+    out = torch.empty_like(clean)
+    OPS.prefill_attention_tiles(out, q, k, v, 0.125)
+    first = max(0, bad - (k_len - q_len))  # query i sees keys 0 .. k_len - q_len + i
+    assert torch.equal(out[:first], clean[:first]) and torch.isnan(out[first:]).all()
+
+
+@amx
+def test_attention_on_tiles_refuses_bad_shapes():
+    q, k, v = prefill_case(40, 40, 4, 2, 64, seed=1)
+    out = torch.empty(40, 4, 64, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="shapes"):
+        OPS.prefill_attention_tiles(out, q, k[:30], v[:30], 0.125)  # fewer keys than queries
+    q48, k48, v48 = prefill_case(8, 8, 2, 1, 48)
+    with pytest.raises(RuntimeError, match="shapes"):
+        OPS.prefill_attention_tiles(
+            torch.empty(8, 2, 48, dtype=torch.bfloat16), q48, k48, v48, 0.1
+        )  # Dh % 32
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        OPS.prefill_attention_tiles(out.float(), q.float(), k.float(), v.float(), 0.125)
+    with pytest.raises(RuntimeError):
+        OPS.prefill_attention_tiles(q, q, k, v, 0.125)  # out overlaps an input
