@@ -229,11 +229,11 @@ inline __m512 max16(const __m512* v) {
 }
 #endif
 
+constexpr int64_t TILE = 16;    // rows of an AMX tile
+constexpr int64_t TILE_K = 32;  // bfloat16 values of K in one tile row (64 bytes)
+
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 // ---- AMX (Intel Sapphire Rapids and later): what the tile kernels share ----
-
-constexpr int64_t TILE = 16;    // rows of a tile
-constexpr int64_t TILE_K = 32;  // bfloat16 values of K in one tile row (64 bytes)
 
 struct alignas(64) TileConfig {  // ldtilecfg's operand, palette 1
   uint8_t palette = 1;

@@ -19,12 +19,13 @@
 
 namespace kvfence {
 
+constexpr int64_t COLS = 32;           // output columns of one panel (two tiles)
+constexpr int64_t CHUNK = 32;          // rows of x per pass over a panel (two tiles)
+
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 namespace {
 
-constexpr int64_t COLS = 32;          // output columns of one panel (two tiles)
-constexpr int64_t PIECE = 16 * 64;    // bfloat16 values of one 32-of-K piece of a panel (2 KB)
-constexpr int64_t CHUNK = 32;         // rows of x per pass over a panel (two tiles)
+constexpr int64_t PIECE = 16 * 64;     // bfloat16 values of one 32-of-K piece of a panel (2 KB)
 constexpr int64_t PREFETCH_AHEAD = 4;  // pieces between a prefetch and the load it serves (8 KB)
 
 // Tiles 0-1 and 4 hold r0 rows (the chunk's first 16), 2-3 and 5 r1 (its next 16; 0: unused), 6-7 the weights.
@@ -153,6 +154,7 @@ torch::Tensor tile_linear(torch::Tensor x, torch::Tensor wt, c10::optional<torch
     _tile_release();
   });
 #else
+  (void)bp;
   TORCH_CHECK(false, "tile_linear: built without AMX");
 #endif
   return out;
