@@ -245,7 +245,6 @@ def attach_quantized(model: nn.Module, quantized: Mapping[str, QuantBlocks], bac
             elif backend.int8_prefill:  # the bfloat16 weight goes, in either layout
                 module.panel_max_rows = sys.maxsize
                 module.packed_weight = torch.empty(0, dtype=module.packed_weight.dtype)
-                module.tiles = None
         return
     placed = iter(hugepages.pack([t for _, b in takers for t in (b.qs, b.d, b.m)], huge=backend.hugepages))
     for module, blocks in takers:
@@ -257,14 +256,17 @@ def attach_quantized(model: nn.Module, quantized: Mapping[str, QuantBlocks], bac
 def pack_linears(model: nn.Module, backend: Backend) -> None:
     """Replace every nn.Linear by a PackedLinear (the output head is an `OutputHead`, whose logits stay float32):
     on AMX tiles where `backend.tiles` and the shape allows (the packed weights of all layers in one buffer, on
-    huge pages if the backend asks: a decode step streams them all), in oneDNN's layout otherwise."""
+    huge pages if the backend asks: a decode step streams them all), in oneDNN's layout otherwise (also with
+    int8 "all", whose layers on the GGUF's blocks drop their bfloat16 weight)."""
     linears = [
         (parent, name, child)
         for parent in list(model.modules())
         for name, child in list(parent.named_children())
         if isinstance(child, nn.Linear)
     ]
-    ops = backend.ops if backend.tiles else None
+    # int8 "all" drops the bfloat16 weights of every layer that takes the GGUF's blocks: those weights are not
+    # packed (one shared buffer would outlive the layers that drop their views of it)
+    ops = backend.ops if backend.tiles and not backend.int8_prefill else None
     tiled = [child for _, _, child in linears if ops is not None and PackedLinear.takes_tiles(child)]
     slots = hugepages.slots(
         [((m.out_features // 32, m.in_features // 32, 16, 64), m.weight.dtype) for m in tiled],

@@ -428,7 +428,10 @@ class LlamaForCausalLM(nn.Module):
                 if isinstance(module, (LlamaForCausalLM, Attention, MLP, OutputHead)):
                     module.kernels = backend.ops
                 if isinstance(module, Attention):
-                    module.tiles = backend.tiles and backend.ops.attention_tiles and cfg.head_dim % 32 == 0
+                    dh = cfg.head_dim  # the attention kernel's tiles take 32 to 256 dims, in 32s
+                    module.tiles = (
+                        backend.tiles and backend.ops.attention_tiles and dh % 32 == 0 and dh <= 256
+                    )
             if quantized and backend.takes_blocks:
                 attach_quantized(model, fuse_quantized(quantized, cfg), backend)
         return model

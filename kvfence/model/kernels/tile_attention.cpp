@@ -39,9 +39,10 @@ void configure_rows(int r0, int r1) {
 }
 
 // e^x for the probabilities, which are rounded to bfloat16 (8 bits) right after: 2^(x log2 e) as 2^n times a
-// degree-4 polynomial of the rest (relative error 4e-5; exp512's 1e-7 costs 1.6x the instructions). x finite or
-// NaN (a NaN stays NaN); the lanes of unseen keys (-inf) are masked by the caller.
+// degree-4 polynomial of the rest (relative error 4e-5; exp512's 1e-7 costs 1.6x the instructions). Below -88
+// it is ~0, a NaN stays NaN; the lanes of unseen keys are masked by the caller.
 inline __m512 exp_prob(__m512 x) {
+  x = _mm512_max_ps(_mm512_set1_ps(-88.3762626647949f), x);  // -inf (an overflowed difference) -> ~0; NaN stays
   const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
   const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m512 f = _mm512_mul_ps(_mm512_sub_ps(t, n), _mm512_set1_ps(0.693147180559945f));  // |f| <= ln2 / 2

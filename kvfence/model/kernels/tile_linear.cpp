@@ -82,7 +82,7 @@ torch::Tensor tile_linear(torch::Tensor x, torch::Tensor wt, c10::optional<torch
                   wt.size(2) == 16 && wt.size(3) == 64,
               "wt: a weight packed by pack_tiles");
   const int64_t M = x.size(0), K = x.size(1), panels = wt.size(0), kb = wt.size(1), N = panels * COLS;
-  TORCH_CHECK(kb * TILE_K == K, "x: ", K, " columns, the packed weight has ", kb * TILE_K);
+  TORCH_CHECK(kb * TILE_K == K && kb > 0, "x: ", K, " columns, the packed weight has ", kb * TILE_K);
   if (m_block == 0) m_block = std::clamp<int64_t>((int64_t{2} << 20) / (K * 2) / CHUNK * CHUNK, CHUNK, 1024);
   TORCH_CHECK(m_block >= CHUNK && m_block % CHUNK == 0, "m_block: 0 or a positive multiple of ", CHUNK);
   const float* bp = nullptr;
