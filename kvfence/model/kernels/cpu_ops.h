@@ -253,6 +253,18 @@ inline void load_tile_config(TileConfig& cfg) {
   asm volatile("" : : "r"(&cfg) : "memory");
   _tile_loadconfig(&cfg);
 }
+
+// The tile kernels' layout (tile_linear.cpp, tile_attention.cpp): tiles 0-1 and 4 hold r0 rows (a block's first 16),
+// 2-3 and 5 r1 (its next 16; 0: unused), 6-7 the right operand's 16 rows; every row 64 bytes.
+inline void configure_row_tiles(int r0, int r1) {
+  TileConfig cfg;
+  const int second = r1 > 0 ? r1 : 1;
+  for (int t : {0, 1, 4}) cfg.rows[t] = static_cast<uint8_t>(r0);
+  for (int t : {2, 3, 5}) cfg.rows[t] = static_cast<uint8_t>(second);
+  cfg.rows[6] = cfg.rows[7] = TILE;
+  for (int t = 0; t < 8; ++t) cfg.colsb[t] = 64;
+  load_tile_config(cfg);
+}
 #endif
 
 // Linear-layer operands: bfloat16 rows [T, D], each row contiguous.

@@ -27,17 +27,6 @@ namespace {
 constexpr int64_t QB = 32;  // queries of one head per block (two row tiles)
 constexpr int64_t KB = 32;  // keys per step of a block (two column tiles of scores; one tile row of P)
 
-// Tiles 0-1 and 4 hold r0 rows, 2-3 and 5 r1 (0: unused), 6-7 the packed K or V: as tile_linear.cpp's.
-void configure_rows(int r0, int r1) {
-  TileConfig cfg;
-  const int second = r1 > 0 ? r1 : 1;
-  for (int t : {0, 1, 4}) cfg.rows[t] = static_cast<uint8_t>(r0);
-  for (int t : {2, 3, 5}) cfg.rows[t] = static_cast<uint8_t>(second);
-  cfg.rows[6] = cfg.rows[7] = TILE;
-  for (int t = 0; t < 8; ++t) cfg.colsb[t] = 64;
-  load_tile_config(cfg);
-}
-
 // e^x for the probabilities, which are rounded to bfloat16 (8 bits) right after: 2^(x log2 e) as 2^n times a
 // degree-4 polynomial of the rest (relative error 4e-5; exp512's 1e-7 costs 1.6x the instructions). Below -88
 // it is ~0, a NaN stays NaN; the lanes of unseen keys are masked by the caller.
@@ -133,7 +122,7 @@ void prefill_attention_tiles(torch::Tensor out, torch::Tensor q, torch::Tensor k
       const int64_t rows = std::min(QB, Lq - q0);
       const int r0 = static_cast<int>(std::min<int64_t>(TILE, rows)), r1 = static_cast<int>(rows - r0);
       if (r0 != cur0 || r1 != cur1) {
-        configure_rows(r0, r1);
+        configure_row_tiles(r0, r1);
         cur0 = r0;
         cur1 = r1;
       }

@@ -28,17 +28,6 @@ namespace {
 constexpr int64_t PIECE = 16 * 64;     // bfloat16 values of one 32-of-K piece of a panel (2 KB)
 constexpr int64_t PREFETCH_AHEAD = 4;  // pieces between a prefetch and the load it serves (8 KB)
 
-// Tiles 0-1 and 4 hold r0 rows (the chunk's first 16), 2-3 and 5 r1 (its next 16; 0: unused), 6-7 the weights.
-void configure(int r0, int r1) {
-  TileConfig cfg;
-  const int second = r1 > 0 ? r1 : 1;
-  for (int t : {0, 1, 4}) cfg.rows[t] = static_cast<uint8_t>(r0);
-  for (int t : {2, 3, 5}) cfg.rows[t] = static_cast<uint8_t>(second);
-  cfg.rows[6] = cfg.rows[7] = TILE;
-  for (int t = 0; t < 8; ++t) cfg.colsb[t] = 64;
-  load_tile_config(cfg);
-}
-
 // Rows of the float32 product tiles c[0..3] -> out, bfloat16, plus the bias (float32 [N], or null).
 inline void put_rows(const float (*c)[TILE * TILE], int first, int rows, const float* bias, uint16_t* out,
                      int64_t ldo) {
@@ -113,7 +102,7 @@ torch::Tensor tile_linear(torch::Tensor x, torch::Tensor wt, c10::optional<torch
           const int r0 = static_cast<int>(std::min<int64_t>(TILE, m1 - mc));
           const int r1 = static_cast<int>(std::clamp<int64_t>(m1 - mc - TILE, 0, TILE));
           if (r0 != cur0 || r1 != cur1) {
-            configure(r0, r1);
+            configure_row_tiles(r0, r1);
             cur0 = r0;
             cur1 = r1;
           }
