@@ -13,6 +13,10 @@ from tests.kernel_ops import kernel_ops, kernel_options
 
 OPS = kernel_ops()
 
+# decode attention on AMX tiles where the CPU has them, and its AVX-512 path (the only one elsewhere: tiles=True
+# then falls back to it)
+TILES = pytest.mark.parametrize("tiles", [True, False], ids=["tiles", "avx512"])
+
 
 def reference(q, kv, tables, lens, scale):
     """float32 attention of each row's query over the first lens[b] slots of its block table."""
@@ -40,25 +44,38 @@ def random_case(heads, kv_heads, head_dim, lens, page_size=16, num_pages=40, see
 
 @pytest.mark.parametrize(
     "heads,kv_heads,head_dim",
-    [(9, 3, 64), (8, 2, 32), (4, 2, 16), (6, 1, 48), (16, 2, 128), (4, 4, 64), (14, 2, 64), (7, 1, 192)],
+    [
+        (9, 3, 64),
+        (8, 2, 32),
+        (4, 2, 16),
+        (6, 1, 48),
+        (16, 2, 128),
+        (4, 4, 64),
+        (14, 2, 64),
+        (7, 1, 192),
+        (16, 1, 64),
+        (32, 1, 64),
+    ],
 )
-def test_decode_attention_matches_float32(heads, kv_heads, head_dim):
+@TILES
+def test_decode_attention_matches_float32(heads, kv_heads, head_dim, tiles):
     lens = [1, 15, 16, 17, 64, 230]  # a single token, page edges, several pages
     q, kv, tables, ctx = random_case(heads, kv_heads, head_dim, lens)
     out = torch.empty(len(lens), heads, head_dim, dtype=torch.bfloat16)
-    OPS.paged_decode_attention(out, q, kv, tables, ctx, head_dim**-0.5)
+    OPS.paged_decode_attention(out, q, kv, tables, ctx, head_dim**-0.5, tiles=tiles)
     expected = reference(q, kv, tables, ctx, head_dim**-0.5)
     # float32 inside, one bfloat16 rounding at the end: within two bfloat16 steps of the exact result
     torch.testing.assert_close(out.float(), expected, atol=1e-2, rtol=1e-2)
 
 
 @pytest.mark.parametrize("page_size", [1, 4, 32])
-def test_decode_attention_any_page_size(page_size):
+@TILES
+def test_decode_attention_any_page_size(page_size, tiles):
     """The kernel scores 16 tokens at a time whatever the page size: blocks that span pages, or half a page."""
     lens = [1, 7, 16, 33, 100]
     q, kv, tables, ctx = random_case(9, 3, 64, lens, page_size=page_size, num_pages=400 // page_size + 8)
     out = torch.empty(len(lens), 9, 64, dtype=torch.bfloat16)
-    OPS.paged_decode_attention(out, q, kv, tables, ctx, 0.125)
+    OPS.paged_decode_attention(out, q, kv, tables, ctx, 0.125, tiles=tiles)
     torch.testing.assert_close(out.float(), reference(q, kv, tables, ctx, 0.125), atol=1e-2, rtol=1e-2)
 
 
@@ -75,21 +92,23 @@ LONG_LENS = [
 
 
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (14, 2, 64), (8, 2, 32), (6, 1, 48)])
-def test_decode_attention_of_long_rows_matches_float32(heads, kv_heads, head_dim):
+@TILES
+def test_decode_attention_of_long_rows_matches_float32(heads, kv_heads, head_dim, tiles):
     """Rows longer than a span (1,024 tokens) are computed span by span and merged: the same result."""
     q, kv, tables, ctx = random_case(heads, kv_heads, head_dim, LONG_LENS, num_pages=140, seed=4)
     out = torch.empty(len(LONG_LENS), heads, head_dim, dtype=torch.bfloat16)
-    OPS.paged_decode_attention(out, q, kv, tables, ctx, head_dim**-0.5)
+    OPS.paged_decode_attention(out, q, kv, tables, ctx, head_dim**-0.5, tiles=tiles)
     expected = reference(q, kv, tables, ctx, head_dim**-0.5)
     torch.testing.assert_close(out.float(), expected, atol=1e-2, rtol=1e-2)
 
 
-def test_decode_attention_row_bits_do_not_depend_on_the_batch_or_the_threads():
+@TILES
+def test_decode_attention_row_bits_do_not_depend_on_the_batch_or_the_threads(tiles):
     """A row's output is the same bits alone, beside other rows (a long one's spans shared out differently
     among the threads) and on one thread or two: what one tenant's row computes cannot tell what else ran."""
     q, kv, tables, ctx = random_case(9, 3, 64, LONG_LENS, num_pages=140, seed=5)
     together = torch.empty(len(LONG_LENS), 9, 64, dtype=torch.bfloat16)
-    OPS.paged_decode_attention(together, q, kv, tables, ctx, 0.125)
+    OPS.paged_decode_attention(together, q, kv, tables, ctx, 0.125, tiles=tiles)
     threads = torch.get_num_threads()
     try:
         for n in (1, 2):
@@ -97,37 +116,39 @@ def test_decode_attention_row_bits_do_not_depend_on_the_batch_or_the_threads():
             for row in range(len(LONG_LENS)):
                 alone = torch.empty(1, 9, 64, dtype=torch.bfloat16)
                 one = slice(row, row + 1)
-                OPS.paged_decode_attention(alone, q[one], kv, tables[one], ctx[one], 0.125)
+                OPS.paged_decode_attention(alone, q[one], kv, tables[one], ctx[one], 0.125, tiles=tiles)
                 assert torch.equal(alone[0], together[row]), (n, row)
             again = torch.empty_like(together)
-            OPS.paged_decode_attention(again, q.flip(0), kv, tables.flip(0), ctx.flip(0), 0.125)
+            OPS.paged_decode_attention(again, q.flip(0), kv, tables.flip(0), ctx.flip(0), 0.125, tiles=tiles)
             assert torch.equal(again.flip(0), together)
     finally:
         torch.set_num_threads(threads)
 
 
-def test_a_nan_in_a_long_rows_span_reaches_that_row_only():
+@TILES
+def test_a_nan_in_a_long_rows_span_reaches_that_row_only(tiles):
     """A NaN in one span of a long row turns that row NaN through the merge; the other rows keep their bits."""
     q, kv, tables, ctx = random_case(9, 3, 64, [40, 2100, 300], num_pages=420, seed=6)
     tables = torch.randperm(420, generator=torch.Generator().manual_seed(6))[: tables.numel()].view_as(tables)
     clean = torch.empty(3, 9, 64, dtype=torch.bfloat16)
-    OPS.paged_decode_attention(clean, q, kv, tables, ctx, 0.125)
+    OPS.paged_decode_attention(clean, q, kv, tables, ctx, 0.125, tiles=tiles)
     poisoned = kv.clone()  # the rows' pages are disjoint here
     page_size = kv.shape[2]
     t = 1500  # row 1's second span
     poisoned[1, int(tables[1, t // page_size]), t % page_size] = float("nan")
     out = torch.empty_like(clean)
-    OPS.paged_decode_attention(out, q, poisoned, tables, ctx, 0.125)
+    OPS.paged_decode_attention(out, q, poisoned, tables, ctx, 0.125, tiles=tiles)
     assert torch.isnan(out[1]).all() and torch.equal(out[0], clean[0]) and torch.equal(out[2], clean[2])
 
 
-def test_reads_only_the_slots_of_its_block_table():
+@TILES
+def test_reads_only_the_slots_of_its_block_table(tiles):
     """Everything but the slots below each row's context length, in its own pages, is NaN: the result is
     unchanged. One NaN inside a row's context changes that row, and only that row."""
     lens = [5, 21, 40]
     q, kv, tables, ctx = random_case(9, 3, 64, lens, seed=3)
     clean = torch.empty(3, 9, 64, dtype=torch.bfloat16)
-    OPS.paged_decode_attention(clean, q, kv, tables, ctx, 0.125)
+    OPS.paged_decode_attention(clean, q, kv, tables, ctx, 0.125, tiles=tiles)
     poisoned = torch.full_like(kv, float("nan"))
     page_size = kv.shape[2]
     for row, n in enumerate(lens):
@@ -135,10 +156,10 @@ def test_reads_only_the_slots_of_its_block_table():
             page, slot = int(tables[row, t // page_size]), t % page_size
             poisoned[:, page, slot] = kv[:, page, slot]
     out = torch.empty_like(clean)
-    OPS.paged_decode_attention(out, q, poisoned, tables, ctx, 0.125)
+    OPS.paged_decode_attention(out, q, poisoned, tables, ctx, 0.125, tiles=tiles)
     assert torch.equal(out, clean)
     poisoned[1, int(tables[1, 1]), 3] = float("nan")  # row 1's token 19
-    OPS.paged_decode_attention(out, q, poisoned, tables, ctx, 0.125)
+    OPS.paged_decode_attention(out, q, poisoned, tables, ctx, 0.125, tiles=tiles)
     assert torch.isnan(out[1]).all() and torch.equal(out[0], clean[0]) and torch.equal(out[2], clean[2])
 
 

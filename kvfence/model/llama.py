@@ -171,7 +171,7 @@ class Attention(nn.Module):
         self.o_proj = Linear(cfg.num_heads * dh, d, bias=False)
         self.scale = dh**-0.5
         self.kernels: KernelOps | None = None  # the backend's C++ kernels, set at load
-        self.tiles = False  # prefill chunks on AMX tiles (`Backend.tiles`), set at load
+        self.tiles = False  # prefill chunks and decode rows on AMX tiles (`Backend.tiles`), set at load
 
     def forward(self, x: Tensor, meta: AttentionMetadata, cache: PagedKV, step: StepTensors) -> Tensor:
         t, h, hkv, dh = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
@@ -249,7 +249,7 @@ class Attention(nn.Module):
         if self.kernels is not None:
             out = torch.empty(b, h, dh, dtype=q.dtype, device=q.device)
             self.kernels.paged_decode_attention(
-                out, q, cache.kv[self.layer], meta.decode_pages, meta.decode_lens, self.scale
+                out, q, cache.kv[self.layer], meta.decode_pages, meta.decode_lens, self.scale, self.tiles
             )
             return out
         assert step.decode_hide is not None

@@ -10,7 +10,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // Every kernel runs without the GIL: they touch no Python object, and the server's event loop (same process)
   // can then serve HTTP on another core while a step runs, as it can during torch's own operators.
   const auto nogil = py::call_guard<py::gil_scoped_release>();
-  m.def("paged_decode_attention", &paged_decode_attention, "decode attention over KV pages (bfloat16, CPU)", nogil);
+  m.def("paged_decode_attention", &paged_decode_attention, "decode attention over KV pages (bfloat16, CPU)",
+        py::arg("out"), py::arg("q"), py::arg("kv"), py::arg("block_tables"), py::arg("context_lens"),
+        py::arg("scale"), py::arg("tiles") = true, nogil);
   m.def("rms_norm", &rms_norm, "RMSNorm of each row", nogil);
   m.def("add_rms_norm_", &add_rms_norm_, "x += delta in place, then RMSNorm of x", nogil);
   m.def("rotary_", &rotary_, "rotary embedding in place on the first heads", nogil);

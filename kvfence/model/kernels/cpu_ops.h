@@ -282,7 +282,7 @@ inline float half_to_float(uint16_t h) { return _cvtsh_ss(h); }
 // ---- the kernels (the Python names are the same; bindings.cpp) ----
 
 void paged_decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor kv, torch::Tensor block_tables,
-                            torch::Tensor context_lens, double scale);
+                            torch::Tensor context_lens, double scale, bool tiles);
 void write_kv(torch::Tensor kv, torch::Tensor slots, torch::Tensor k, torch::Tensor v);
 void prefill_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k, torch::Tensor v, double scale);
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);

@@ -8,6 +8,16 @@
 // Work is split over spans of at most SPAN tokens of a row (rows longer than that are merged from their spans'
 // partial sums); each token's K/V vector is converted from bfloat16 once and used by the G query heads that share
 // it.
+//
+// Where the CPU has AMX (`tiles`), the scores and the weighted sum of V run on the tile unit instead, the G query
+// heads that share a KV head as one tile: scores = K Q^T with K's rows read as they lie in the pages (16 tokens of
+// a page as a tile's rows), and P V with P rounded to bfloat16 (as flash attention and the prefill kernels do) and
+// V's rows interleaved in pairs of tokens as the tiles' right operand. A page's slots past the row's length are
+// never read: a last, partial block is copied out first. Why (docs/performance.md, session 28): in AVX-512 a
+// 0.5B decode step of 32 rows over ~280 tokens spent 14-16 ms of its 75 here, three quarters of it in
+// instructions, not in waiting for memory.
+
+#include <memory>
 
 #include "cpu_ops.h"
 
@@ -96,10 +106,175 @@ inline void score_blocks(float* scores, int64_t ctx, const int64_t* offsets, con
 }
 #endif
 
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+constexpr int64_t TOKENS = 16;  // tokens of a score tile (its rows): one page holds a whole number of them
+
+// Tiles 0-3: `c_rows` x `c_bytes`; tile 4: 16 x 64 bytes (left operand); tile 5: `b_rows` x `b_bytes` (right).
+inline void configure_decode_tiles(int c_rows, int c_bytes, int a_rows, int b_bytes) {
+  TileConfig cfg;
+  for (int t = 0; t < 4; ++t) {
+    cfg.rows[t] = static_cast<uint8_t>(c_rows);
+    cfg.colsb[t] = static_cast<uint16_t>(c_bytes);
+  }
+  cfg.rows[4] = static_cast<uint8_t>(a_rows);
+  cfg.colsb[4] = 64;
+  cfg.rows[5] = TILE;
+  cfg.colsb[5] = static_cast<uint16_t>(b_bytes);
+  load_tile_config(cfg);
+}
+
+// The per-thread buffers of the tile path, sized once per call.
+struct DecodeTiles {
+  std::vector<uint32_t> qpack;  // [Hkv][Dh / 32][16 pairs of dims][16 query heads]: Q^T, the right operand
+  std::vector<uint16_t> tail;   // [16][Hkv * Dh]: a last block's real rows, zeros after them
+  alignas(64) uint16_t p[TILE * TILE_K];          // [G][32 tokens]: probabilities, bfloat16
+  alignas(64) uint16_t vp[4 * TILE * TILE_K];     // [4 tiles of 16 dims][16 pairs of tokens][16 dims][2]
+  alignas(64) float c[4][TILE * TILE];            // product tiles, stored
+  DecodeTiles(int64_t Hkv, int64_t Dh) : qpack(Hkv * (Dh / 32) * TILE * TILE), tail(TOKENS * Hkv * Dh) {}
+};
+
+// scores[h * ctx + t] = scale * (q_h . K_t) for one item, on tiles: for each KV head, blocks of 16 tokens (a
+// tile's rows, K as it lies in its page) times Q^T of the G query heads that share it, four blocks at a time.
+inline void score_tiles(DecodeTiles& w, float* scores, int64_t ctx, const int64_t* offsets, const uint16_t* k_base,
+                        const uint16_t* v_base, const uint16_t* qb, int64_t Hkv, int64_t G, int64_t Dh, float scale) {
+  const int64_t row = Hkv * Dh, kk_n = Dh / 32;
+  for (int64_t kh = 0; kh < Hkv; ++kh)
+    for (int64_t kk = 0; kk < kk_n; ++kk)
+      for (int64_t i = 0; i < TILE; ++i)
+        for (int64_t g = 0; g < TILE; ++g) {
+          uint32_t pair = 0;
+          if (g < G) std::memcpy(&pair, qb + (kh * G + g) * Dh + kk * 32 + 2 * i, sizeof(pair));
+          w.qpack[((kh * kk_n + kk) * TILE + i) * TILE + g] = pair;
+        }
+  configure_decode_tiles(TOKENS, static_cast<int>(G * 4), TOKENS, static_cast<int>(G * 4));
+  const int64_t rb = row * static_cast<int64_t>(sizeof(uint16_t));
+  for (int64_t t = 0; t < ctx; t += 4 * TOKENS) {
+    const int64_t nb = std::min<int64_t>(4, (ctx - t + TOKENS - 1) / TOKENS);
+    const uint16_t* src[4] = {};
+    for (int64_t j = 0; j < nb; ++j) {
+      const int64_t tok = t + j * TOKENS, n = std::min(TOKENS, ctx - tok);
+      if (n == TOKENS) {
+        src[j] = k_base + offsets[tok];  // 16 slots of one page, one after the other
+      } else {  // the row's last slots: only those are read
+        std::fill(w.tail.begin(), w.tail.end(), 0);
+        for (int64_t r = 0; r < n; ++r) std::memcpy(&w.tail[r * row], k_base + offsets[tok + r], rb);
+        src[j] = w.tail.data();
+      }
+    }
+    // the next round's K pages (or, in the last one, the first V rows): one line each 64 bytes
+    const int64_t next = t + 4 * TOKENS;
+    if (next < ctx) {
+      for (int64_t tok = next; tok < std::min(ctx, next + 4 * TOKENS); tok += TOKENS)
+        prefetch(k_base + offsets[tok], std::min(TOKENS, ctx - tok) * rb);
+    } else {
+      for (int64_t tok = 0; tok < std::min<int64_t>(ctx, 2 * TILE_K); tok += TOKENS)
+        prefetch(v_base + offsets[tok], std::min(TOKENS, ctx - tok) * rb);
+    }
+    for (int64_t kh = 0; kh < Hkv; ++kh) {
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_zero(2);
+      _tile_zero(3);
+      for (int64_t kk = 0; kk < kk_n; ++kk) {
+        _tile_loadd(5, &w.qpack[(kh * kk_n + kk) * TILE * TILE], 64);
+        const int64_t at = kh * Dh + kk * 32;
+        _tile_loadd(4, src[0] + at, rb);
+        _tile_dpbf16ps(0, 4, 5);
+        if (nb > 1) {
+          _tile_loadd(4, src[1] + at, rb);
+          _tile_dpbf16ps(1, 4, 5);
+        }
+        if (nb > 2) {
+          _tile_loadd(4, src[2] + at, rb);
+          _tile_dpbf16ps(2, 4, 5);
+        }
+        if (nb > 3) {
+          _tile_loadd(4, src[3] + at, rb);
+          _tile_dpbf16ps(3, 4, 5);
+        }
+      }
+      _tile_stored(0, w.c[0], 64);
+      if (nb > 1) _tile_stored(1, w.c[1], 64);
+      if (nb > 2) _tile_stored(2, w.c[2], 64);
+      if (nb > 3) _tile_stored(3, w.c[3], 64);
+      for (int64_t j = 0; j < nb; ++j) {
+        const int64_t tok = t + j * TOKENS, n = std::min(TOKENS, ctx - tok);
+        for (int64_t g = 0; g < G; ++g) {
+          float* dst = scores + (kh * G + g) * ctx + tok;
+          for (int64_t r = 0; r < n; ++r) dst[r] = w.c[j][r * TILE + g] * scale;
+        }
+      }
+    }
+  }
+}
+
+// acc[h * Dh + d] = sum over t of probs[h * ctx + t] * V_t for one item, on tiles: per KV head and 64 dims, the
+// G heads' probabilities (bfloat16) of 32 tokens at a time times those tokens' V in pairs, summed over the item
+// in four product tiles. Tokens past ctx weigh zeros (their V is never read).
+inline void weighted_sum_tiles(DecodeTiles& w, float* acc, const float* probs, int64_t ctx, const int64_t* offsets,
+                               const uint16_t* v_base, int64_t Hkv, int64_t G, int64_t Dh) {
+  configure_decode_tiles(static_cast<int>(G), 64, static_cast<int>(G), 64);
+  const int64_t rb = Hkv * Dh * static_cast<int64_t>(sizeof(uint16_t));
+  for (int64_t kh = 0; kh < Hkv; ++kh)
+    for (int64_t d0 = 0; d0 < Dh; d0 += 64) {
+      const int64_t nd = std::min<int64_t>(4, (Dh - d0) / TILE);  // Dh a multiple of 32: 2 or 4
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_zero(2);
+      _tile_zero(3);
+      for (int64_t t0 = 0; t0 < ctx; t0 += TILE_K) {
+        const int64_t n = std::min(TILE_K, ctx - t0);
+        if (t0 + TILE_K < ctx)  // the next block's V rows
+          for (int64_t tok = t0 + TILE_K; tok < std::min(ctx, t0 + 2 * TILE_K); tok += TOKENS)
+            prefetch(v_base + offsets[tok], std::min(TOKENS, ctx - tok) * rb);
+        const __mmask16 lo = static_cast<__mmask16>(n >= 16 ? 0xffff : (1u << n) - 1);
+        const __mmask16 hi = static_cast<__mmask16>(n >= 32 ? 0xffff : n <= 16 ? 0 : (1u << (n - 16)) - 1);
+        for (int64_t g = 0; g < G; ++g) {
+          const float* pr = probs + (kh * G + g) * ctx + t0;
+          const __m512 a = _mm512_maskz_loadu_ps(lo, pr), b = _mm512_maskz_loadu_ps(hi, pr + 16);
+          _mm512_store_si512(w.p + g * TILE_K, (__m512i)_mm512_cvtne2ps_pbh(b, a));
+        }
+        const __m256i zero = _mm256_setzero_si256();
+        for (int64_t i = 0; i < TILE; ++i) {  // tokens t0 + 2i, t0 + 2i + 1 of dims d0 .. d0 + 16 nd
+          const uint16_t* v0 = 2 * i < n ? v_base + offsets[t0 + 2 * i] + kh * Dh + d0 : nullptr;
+          const uint16_t* v1 = 2 * i + 1 < n ? v_base + offsets[t0 + 2 * i + 1] + kh * Dh + d0 : nullptr;
+          for (int64_t j = 0; j < nd; ++j) {
+            const __m256i x0 = v0 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v0 + j * TILE)) : zero;
+            const __m256i x1 = v1 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v1 + j * TILE)) : zero;
+            const __m512i pairs =
+                _mm512_or_si512(_mm512_cvtepu16_epi32(x0), _mm512_slli_epi32(_mm512_cvtepu16_epi32(x1), 16));
+            _mm512_store_si512(w.vp + (j * TILE + i) * TILE_K, pairs);
+          }
+        }
+        _tile_loadd(4, w.p, 64);
+        _tile_loadd(5, w.vp, 64);
+        _tile_dpbf16ps(0, 4, 5);
+        _tile_loadd(5, w.vp + TILE * TILE_K, 64);
+        _tile_dpbf16ps(1, 4, 5);
+        if (nd > 2) {
+          _tile_loadd(5, w.vp + 2 * TILE * TILE_K, 64);
+          _tile_dpbf16ps(2, 4, 5);
+          _tile_loadd(5, w.vp + 3 * TILE * TILE_K, 64);
+          _tile_dpbf16ps(3, 4, 5);
+        }
+      }
+      _tile_stored(0, w.c[0], 64);
+      _tile_stored(1, w.c[1], 64);
+      if (nd > 2) {
+        _tile_stored(2, w.c[2], 64);
+        _tile_stored(3, w.c[3], 64);
+      }
+      for (int64_t g = 0; g < G; ++g)
+        for (int64_t j = 0; j < nd; ++j)
+          std::memcpy(acc + (kh * G + g) * Dh + d0 + j * TILE, w.c[j] + g * TILE, TILE * sizeof(float));
+    }
+}
+#endif
+
 }  // namespace
 
 void paged_decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor kv, torch::Tensor block_tables,
-                            torch::Tensor context_lens, double scale) {
+                            torch::Tensor context_lens, double scale, bool tiles) {
   // out, q: [B, H, Dh]; kv: one layer's pool [2, P, S, Hkv, Dh]; block_tables: [B, max_pages] int64;
   // context_lens: [B] int64 (tokens to attend over, the current one included, already written)
   TORCH_CHECK(q.device().is_cpu() && kv.device().is_cpu() && out.device().is_cpu() && block_tables.device().is_cpu() &&
@@ -120,6 +295,12 @@ void paged_decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor kv
   TORCH_CHECK(out.size(0) == B && out.size(1) == H && out.size(2) == Dh, "out shape");
   TORCH_CHECK(block_tables.size(0) == B && context_lens.size(0) == B, "one table per row");
   const int64_t G = H / Hkv, max_pages = block_tables.size(1);
+  // the tile path: AMX, the heads' dims in 32s, at most 16 query heads a KV head, pages of whole 16-token blocks
+  bool use_tiles = false;
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+  use_tiles = tiles && amx_permitted() && Dh % 32 == 0 && G <= TILE && S % TOKENS == 0;
+#endif
+  (void)tiles;
   const int64_t* tables = block_tables.data_ptr<int64_t>();
   const int64_t* lens = context_lens.data_ptr<int64_t>();
   for (int64_t b = 0; b < B; ++b) {  // validate every page the rows will read, before reading any
@@ -185,6 +366,10 @@ void paged_decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor kv
     std::vector<float> qf(H * Dh), acc(H * Dh), vec(Hkv * Dh), scores, inv_sum(H);
     std::vector<uint16_t> qb(H * Dh);
     std::vector<int64_t> offsets;  // each token's offset in K (and V): its slot * Hkv * Dh
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+    std::unique_ptr<DecodeTiles> work;
+    if (use_tiles) work = std::make_unique<DecodeTiles>(Hkv, Dh);
+#endif
     for (int64_t i = bounds[task_begin]; i < bounds[task_end]; ++i) {
       const int64_t b = item_row[i], t0 = item_t0[i], slot = item_slot[i];
       const int64_t ctx = std::min(SPAN, lens[b] - t0);
@@ -196,6 +381,11 @@ void paged_decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor kv
       offsets.resize(ctx);
       const int64_t* table = tables + b * max_pages;
       for (int64_t t = 0; t < ctx; ++t) offsets[t] = (table[(t0 + t) / S] * S + (t0 + t) % S) * Hkv * Dh;
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+      if (use_tiles) {
+        score_tiles(*work, scores.data(), ctx, offsets.data(), k_base, v_base, qb.data(), Hkv, G, Dh, fscale);
+      } else
+#endif
 #if defined(__AVX512BF16__)
       if (Dh % 32 == 0) {
         score_blocks(scores.data(), ctx, offsets.data(), k_base, v_base, qb.data(), Hkv, G, Dh, fscale);
@@ -220,6 +410,11 @@ void paged_decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor kv
       }
       float* sums = slot < 0 ? acc.data() : &part_acc[slot * H * Dh];
       std::fill(sums, sums + H * Dh, 0.0f);
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+      if (use_tiles) {
+        weighted_sum_tiles(*work, sums, scores.data(), ctx, offsets.data(), v_base, Hkv, G, Dh);
+      } else
+#endif
 #ifdef __AVX512F__
       if (Dh % 64 == 0) {
         weighted_sums(sums, scores.data(), ctx, Hkv, G, Dh, offsets.data(), v_base);
@@ -235,6 +430,9 @@ void paged_decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor kv
         f32_to_bf16_n(&acc[h * Dh], out_base + (b * H + h) * Dh, Dh);
       }
     }
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+    if (use_tiles) _tile_release();
+#endif
   });
 
   // Rows of several spans: rescale each span's sums to the row's maximum and add them up, in span order.

@@ -39,11 +39,20 @@ class KernelOps:
         self.attention_tiles: bool = bool(lib.attention_tiles())
 
     def paged_decode_attention(
-        self, out: Tensor, q: Tensor, kv: Tensor, block_tables: Tensor, context_lens: Tensor, scale: float
+        self,
+        out: Tensor,
+        q: Tensor,
+        kv: Tensor,
+        block_tables: Tensor,
+        context_lens: Tensor,
+        scale: float,
+        tiles: bool = True,
     ) -> None:
         """Writes `out` [B, H, Dh]: q [B, H, Dh] over the first context_lens[b] slots of the pages in
-        block_tables[b] ([B, n] int64), read in place from one layer's kv [2, P, S, Hkv, Dh]."""
-        self.lib.paged_decode_attention(out, q, kv, block_tables, context_lens, scale)
+        block_tables[b] ([B, n] int64), read in place from one layer's kv [2, P, S, Hkv, Dh]. On AMX tiles where
+        `attention_tiles` and the shapes allow (Dh a multiple of 32, at most 16 query heads a KV head, pages of
+        16-token multiples), unless `tiles` is False."""
+        self.lib.paged_decode_attention(out, q, kv, block_tables, context_lens, scale, tiles)
 
     def write_kv(self, kv: Tensor, slots: Tensor, k: Tensor, v: Tensor) -> None:
         """Writes k, v [T, Hkv, Dh] into slots [T] (page * S + offset) of one layer's kv [2, P, S, Hkv, Dh]."""
