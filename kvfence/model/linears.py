@@ -57,6 +57,9 @@ class PackedLinear(nn.Module):
         None  # the weight packed for `tile_linear` (`on_tiles`), instead of oneDNN's layout
     )
     bias_f32: Tensor | None = None  # the bias in float32, for `tile_linear`
+    # a [gate | up] layer whose tiles hold gate and up rows interleaved 16 by 16 (`interleave_gated`): `silu_mul`
+    # then takes silu(gate) * up from the tiles' float32 sums in one call
+    gated = False
     quant: QuantBlocks | None = None
     panels: QuantPanels | None = None
     panel_max_rows = FINE_MAX_ROWS  # steps of more rows take the bfloat16 weight ...
@@ -72,8 +75,11 @@ class PackedLinear(nn.Module):
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach(), requires_grad=False)
 
     @classmethod
-    def on_tiles(cls, linear: nn.Linear, packed: Tensor, kernels: KernelOps) -> PackedLinear:
-        """A layer whose every step multiplies on AMX tiles, its weight `packed` by `kernels.pack_tiles`."""
+    def on_tiles(
+        cls, linear: nn.Linear, packed: Tensor, kernels: KernelOps, gated: bool = False
+    ) -> PackedLinear:
+        """A layer whose every step multiplies on AMX tiles, its weight `packed` by `kernels.pack_tiles` (with
+        `gated`, of `interleave_gated(weight)`)."""
         self = cls.__new__(cls)
         nn.Module.__init__(self)
         self.register_buffer("packed_weight", torch.empty(0, dtype=packed.dtype), persistent=False)
@@ -82,7 +88,22 @@ class PackedLinear(nn.Module):
         self.out_features, self.in_features = linear.weight.shape
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach(), requires_grad=False)
         self.bias_f32 = None if linear.bias is None else linear.bias.detach().float()
+        self.gated = gated
         return self
+
+    @staticmethod
+    def takes_gated(linear: nn.Linear) -> bool:
+        """A [gate | up] layer the gated tiles take: no bias, each half a whole number of 16 rows."""
+        n, _ = linear.weight.shape
+        return linear.bias is None and n % 32 == 0
+
+    def silu_mul(self, x: Tensor, ops: KernelOps) -> Tensor:
+        """silu(gate) * up of this [gate | up] layer's product, [T, N / 2]: in one call on gated tiles, where this
+        step would take the tiles; else the product, then `ops.silu_mul` on its bfloat16 result."""
+        if self.gated and self._path(x) == "tiles":
+            assert self.kernels is not None and self.tiles is not None
+            return self.kernels.tile_linear(x.reshape(-1, self.in_features), self.tiles, None, 0, True)
+        return ops.silu_mul(self.forward(x))
 
     @staticmethod
     def takes_tiles(linear: nn.Linear) -> bool:
@@ -94,30 +115,48 @@ class PackedLinear(nn.Module):
     def supported(dtype: torch.dtype, device: str) -> bool:
         return dtype == torch.bfloat16 and torch.device(device).type == "cpu" and onednn_bf16_packing()
 
+    def _path(self, x: Tensor) -> str:
+        """Which weights this step multiplies by: "panels", "quant", "tiles" or "onednn"."""
+        if self.kernels is not None:
+            rows = x.numel() // self.in_features
+            if self.panels is not None and rows <= self.panel_max_rows:
+                return "panels"
+            if self.quant is not None and x.dim() == 2 and rows <= QUANT_MAX_ROWS[self.quant.kind]:
+                return "quant"
+            if self.tiles is not None:
+                return "tiles"
+        return "onednn"
+
     def forward(self, x: Tensor) -> Tensor:
-        p = self.panels
-        if p is not None and self.kernels is not None:
+        path = self._path(x)
+        assert self.kernels is not None or path == "onednn"
+        if path == "panels":
+            assert self.panels is not None and self.kernels is not None
             rows = x.reshape(-1, self.in_features)
-            if rows.shape[0] <= self.panel_max_rows:
-                levels = 2 if rows.shape[0] <= self.fine_max_rows else 1
-                out = self.kernels.panel_linear(rows, p, levels)
-                return out.view(*x.shape[:-1], p.n)
-        q = self.quant
-        if (
-            q is not None
-            and self.kernels is not None
-            and x.dim() == 2
-            and x.shape[0] <= QUANT_MAX_ROWS[q.kind]
-        ):
-            y = self.kernels.quant_linear(x, q)
-        elif self.tiles is not None and self.kernels is not None:
+            levels = 2 if rows.shape[0] <= self.fine_max_rows else 1
+            out = self.kernels.panel_linear(rows, self.panels, levels)
+            return out.view(*x.shape[:-1], self.panels.n)
+        if path == "quant":
+            assert self.quant is not None and self.kernels is not None
+            y: Tensor = self.kernels.quant_linear(x, self.quant)
+            return y
+        if path == "tiles":
+            assert self.tiles is not None and self.kernels is not None
             rows = x.reshape(-1, self.in_features)
-            y = self.kernels.tile_linear(rows, self.tiles, self.bias_f32).view(
-                *x.shape[:-1], self.out_features
-            )
-        else:
-            y = torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
+            y = self.kernels.tile_linear(rows, self.tiles, self.bias_f32)
+            if self.gated:  # back to [gate | up] from gate and up interleaved 16 by 16
+                y = y.view(-1, self.out_features // 32, 2, 16).transpose(1, 2).reshape(-1, self.out_features)
+            return y.view(*x.shape[:-1], self.out_features)
+        y = torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
         return y
+
+
+def interleave_gated(weight: Tensor) -> Tensor:
+    """A [gate | up] weight [2 I, K] with its rows reordered as 16 gate rows, the 16 matching up rows, the next 16
+    gate rows, ...: packed for the tiles, each 32-column panel then holds a gate tile and its up tile."""
+    n, k = weight.shape
+    gate, up = weight[: n // 2], weight[n // 2 :]
+    return torch.stack([gate.reshape(-1, 16, k), up.reshape(-1, 16, k)], dim=1).reshape(n, k)
 
 
 @functools.cache
@@ -276,10 +315,12 @@ def pack_linears(model: nn.Module, backend: Backend) -> None:
     for parent, name, child in linears:
         slot = placed.get(id(child))
         if ops is not None and slot is not None:
-            slot.copy_(
-                ops.pack_tiles(child.weight.detach().contiguous())
-            )  # one layer's packing alive at once
-            setattr(parent, name, PackedLinear.on_tiles(child, slot, ops))
+            # the MLP's [gate | up] layer packed gated: its step and silu_mul in one call (MLP._rows)
+            gated = name == "gate_up_proj" and PackedLinear.takes_gated(child)
+            weight = child.weight.detach()
+            weight = interleave_gated(weight) if gated else weight.contiguous()
+            slot.copy_(ops.pack_tiles(weight))  # one layer's packing alive at once
+            setattr(parent, name, PackedLinear.on_tiles(child, slot, ops, gated))
         else:
             setattr(parent, name, PackedLinear(child))
 

@@ -287,9 +287,12 @@ class MLP(nn.Module):
         return self._rows(x)
 
     def _rows(self, x: Tensor) -> Tensor:
+        if self.kernels is not None and isinstance(self.gate_up_proj, PackedLinear):
+            y: Tensor = self.down_proj(self.gate_up_proj.silu_mul(x, self.kernels))  # one call on gated tiles
+            return y
         gate_up = self.gate_up_proj(x)  # [T, 2 I]: [gate | up]
         if self.kernels is not None:
-            y: Tensor = self.down_proj(self.kernels.silu_mul(gate_up))
+            y = self.down_proj(self.kernels.silu_mul(gate_up))
             return y
         gate, up = gate_up.chunk(2, dim=-1)  # [T, I] each
         y = self.down_proj(F.silu(gate) * up)

@@ -29,7 +29,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("w"), py::arg("tiles") = true, nogil);
   m.def("pack_tiles", &pack_tiles, "a bfloat16 weight [N, K] packed for tile_linear", nogil);
   m.def("tile_linear", &tile_linear, "x @ W^T (+ bias) on AMX tiles, W packed by pack_tiles", py::arg("x"),
-        py::arg("wt"), py::arg("bias"), py::arg("m_block"), nogil);
+        py::arg("wt"), py::arg("bias"), py::arg("m_block"), py::arg("silu") = false, nogil);
   m.def("prefill_attention_tiles", &prefill_attention_tiles, "prefill_attention on AMX tiles", nogil);
   m.def("attention_tiles", &attention_tiles, "whether prefill_attention_tiles runs here");
   m.def("head_tiles", &head_tiles, "whether linear_f32 runs on AMX tiles here");

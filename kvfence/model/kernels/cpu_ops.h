@@ -303,7 +303,8 @@ torch::Tensor panel_linear_f32(torch::Tensor x, torch::Tensor wp, torch::Tensor 
 torch::Tensor linear_f32(torch::Tensor x, torch::Tensor w, bool tiles);
 bool head_tiles();
 torch::Tensor pack_tiles(torch::Tensor w);
-torch::Tensor tile_linear(torch::Tensor x, torch::Tensor wt, c10::optional<torch::Tensor> bias, int64_t m_block);
+torch::Tensor tile_linear(torch::Tensor x, torch::Tensor wt, c10::optional<torch::Tensor> bias, int64_t m_block,
+                          bool silu);
 void prefill_attention_tiles(torch::Tensor out, torch::Tensor q, torch::Tensor k, torch::Tensor v, double scale);
 bool attention_tiles();
 

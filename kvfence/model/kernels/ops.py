@@ -118,11 +118,14 @@ class KernelOps:
         out: Tensor = self.lib.pack_tiles(weight)
         return out
 
-    def tile_linear(self, x: Tensor, packed: Tensor, bias: Tensor | None, m_block: int = 0) -> Tensor:
+    def tile_linear(
+        self, x: Tensor, packed: Tensor, bias: Tensor | None, m_block: int = 0, silu: bool = False
+    ) -> Tensor:
         """x [M, K] @ W^T (+ bias [N]) on AMX tiles (only where `head_tiles`), W packed by `pack_tiles`: [M, N]
         bfloat16, float32 sums rounded once; a row's outputs have the same bits in any batch. `m_block`: rows
-        per pass over the weights (0: the kernel's choice by K)."""
-        out: Tensor = self.lib.tile_linear(x, packed, bias, m_block)
+        per pass over the weights (0: the kernel's choice by K). `silu`: W holds gate and up rows interleaved 16
+        by 16 (`linears.interleave_gated`), and the result is silu(gate) * up of the float32 sums, [M, N / 2]."""
+        out: Tensor = self.lib.tile_linear(x, packed, bias, m_block, silu)
         return out
 
 

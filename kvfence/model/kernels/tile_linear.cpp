@@ -40,6 +40,19 @@ inline void put_rows(const float (*c)[TILE * TILE], int first, int rows, const f
   }
 }
 
+// The gated form (`silu`): the panel's first 16 columns are gate columns and its next 16 the matching up columns;
+// out[r][16 p + j] = silu(gate) * up of the float32 sums, rounded once (the layer's [T, 2 I] product and silu_mul's
+// pass over it in one).
+inline void put_rows_silu(const float (*c)[TILE * TILE], int first, int rows, uint16_t* out, int64_t ldo) {
+  const __m512 one = _mm512_set1_ps(1.0f);
+  for (int r = 0; r < rows; ++r) {
+    const __m512 g = _mm512_load_ps(c[first] + r * TILE), u = _mm512_load_ps(c[first + 1] + r * TILE);
+    const __m512 e = exp512(_mm512_sub_ps(_mm512_setzero_ps(), g));
+    const __m512 y = _mm512_mul_ps(_mm512_div_ps(g, _mm512_add_ps(one, e)), u);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + r * ldo), (__m256i)_mm512_cvtneps_pbh(y));
+  }
+}
+
 }  // namespace
 #endif
 
@@ -65,7 +78,10 @@ torch::Tensor pack_tiles(torch::Tensor w) {
 // m_block: rows of x per pass over the thread's panels: a pass's first chunk reads a panel from memory, the others
 // find it in L2, as they find x's m_block rows there. 0: as many as fit in 2 MB of x (32 to 1,024), which ran long
 // prefill chunks 9-14% faster than passes of 256 rows at 288-512 rows (docs/performance.md, session 27).
-torch::Tensor tile_linear(torch::Tensor x, torch::Tensor wt, c10::optional<torch::Tensor> bias, int64_t m_block) {
+// silu: the weight was packed from gate and up rows interleaved 16 by 16 (`pack_gated` in linears.py): out [M, N / 2]
+// = silu(x @ gate^T) * (x @ up^T), no bias.
+torch::Tensor tile_linear(torch::Tensor x, torch::Tensor wt, c10::optional<torch::Tensor> bias, int64_t m_block,
+                          bool silu) {
   check_rows(x, "x");
   TORCH_CHECK(wt.device().is_cpu() && wt.scalar_type() == at::kBFloat16 && wt.dim() == 4 && wt.is_contiguous() &&
                   wt.size(2) == 16 && wt.size(3) == 64,
@@ -74,6 +90,8 @@ torch::Tensor tile_linear(torch::Tensor x, torch::Tensor wt, c10::optional<torch
   TORCH_CHECK(kb * TILE_K == K && kb > 0, "x: ", K, " columns, the packed weight has ", kb * TILE_K);
   if (m_block == 0) m_block = std::clamp<int64_t>((int64_t{2} << 20) / (K * 2) / CHUNK * CHUNK, CHUNK, 1024);
   TORCH_CHECK(m_block >= CHUNK && m_block % CHUNK == 0, "m_block: 0 or a positive multiple of ", CHUNK);
+  TORCH_CHECK(!(silu && bias.has_value()), "tile_linear: the gated form takes no bias");
+  const int64_t n_out = silu ? N / 2 : N, cols_out = silu ? TILE : COLS;
   const float* bp = nullptr;
   torch::Tensor bias_f32;
   if (bias.has_value()) {
@@ -81,7 +99,7 @@ torch::Tensor tile_linear(torch::Tensor x, torch::Tensor wt, c10::optional<torch
     bias_f32 = bias->to(at::kFloat).contiguous();
     bp = bias_f32.data_ptr<float>();
   }
-  auto out = torch::empty({M, N}, x.options());
+  auto out = torch::empty({M, n_out}, x.options());
   if (M == 0) return out;
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
   TORCH_CHECK(amx_permitted(), "tile_linear: this process may not use AMX tiles");
@@ -131,11 +149,20 @@ torch::Tensor tile_linear(torch::Tensor x, torch::Tensor wt, c10::optional<torch
           _tile_stored(0, c[0], 64);
           _tile_stored(1, c[1], 64);
           const float* b = bp ? bp + p * COLS : nullptr;
-          put_rows(c, 0, r0, b, op + mc * N + p * COLS, N);
+          uint16_t* dst = op + mc * n_out + p * cols_out;
+          if (silu) {
+            put_rows_silu(c, 0, r0, dst, n_out);
+          } else {
+            put_rows(c, 0, r0, b, dst, n_out);
+          }
           if (r1 > 0) {
             _tile_stored(2, c[2], 64);
             _tile_stored(3, c[3], 64);
-            put_rows(c, 2, r1, b, op + (mc + TILE) * N + p * COLS, N);
+            if (silu) {
+              put_rows_silu(c, 2, r1, dst + TILE * n_out, n_out);
+            } else {
+              put_rows(c, 2, r1, b, dst + TILE * n_out, n_out);
+            }
           }
         }
       }
@@ -144,6 +171,7 @@ torch::Tensor tile_linear(torch::Tensor x, torch::Tensor wt, c10::optional<torch
   });
 #else
   (void)bp;
+  (void)cols_out;
   TORCH_CHECK(false, "tile_linear: built without AMX");
 #endif
   return out;
