@@ -37,8 +37,8 @@ def main() -> None:
         "--amx-tiles",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="AMX tile kernels for bfloat16 linear layers and prefill attention where the CPU has them "
-        "(--no-amx-tiles: oneDNN's products and torch's attention)",
+        help="AMX tile kernels for bfloat16 linear layers and prefill and decode attention where the CPU has them "
+        "(--no-amx-tiles: oneDNN's products, torch's prefill attention, AVX-512 decode attention)",
     )
     args = p.parse_args()
     torch.set_num_threads(args.threads)

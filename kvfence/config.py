@@ -210,8 +210,8 @@ class KernelOptions:
     )
     amx_tiles: bool = option(
         True,
-        "AMX tile kernels for bfloat16 linear layers and prefill attention where the CPU has them "
-        "(--no-amx-tiles: oneDNN's products and torch's attention)",
+        "AMX tile kernels for bfloat16 linear layers and prefill and decode attention where the CPU has them "
+        "(--no-amx-tiles: oneDNN's products, torch's prefill attention, AVX-512 decode attention)",
         env="KVFENCE_AMX_TILES",
     )
 
