@@ -127,12 +127,12 @@ def build(path, **changes):
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: q/k/v biases, added before the rounding
 def test_a_model_on_tiles_computes_what_oneDNN_computes(tmp_path, monkeypatch, arch):
-    """Every projection of a bfloat16 model, and the attention of every prefill chunk, take the tiles where the
-    CPU has AMX (the packed weights in one buffer, oneDNN's copy not kept), and none where it has not or
-    `--no-amx-tiles` says so. The logits of a prompt prefilled in two chunks and decoded a token at a time stay
-    within bfloat16-class error of oneDNN's and torch's, and the greedy choices agree where they are not
-    near-ties. (The bits differ: the MLP's silu takes the gate and up sums before their rounding on the tiles,
-    and decode attention weighs V with bfloat16 probabilities there.)"""
+    """Every projection of a bfloat16 model, the attention of every prefill chunk and decode attention (pages of
+    16 tokens) take the tiles where the CPU has AMX (the packed weights in one buffer, oneDNN's copy not kept),
+    and none where it has not or `--no-amx-tiles` says so. The logits of a prompt prefilled in two chunks and
+    decoded a token at a time stay within bfloat16-class error of oneDNN's and torch's, and the greedy choices
+    agree where they are not near-ties. (The bits differ: the MLP's silu takes the gate and up sums before their
+    rounding on the tiles, and decode attention weighs V with bfloat16 probabilities there.)"""
     # heads of 32 dims: the attention kernel's tiles take multiples of 32
     path = write_tiny_hf_dir(tmp_path / arch, arch=arch, seed=4, hidden_size=128, head_dim=32)
     loaded, model = build(path, amx_tiles=True)
@@ -170,7 +170,8 @@ def test_a_model_on_tiles_computes_what_oneDNN_computes(tmp_path, monkeypatch, a
         lambda self, out, *a: attention.append(len(out)) or real_attention(self, out, *a),
     )
     chunks = [25, 8, 1, 1, 1, 1, 1, 1, 1]  # a first chunk, a later one over the first's pages, decodes
-    tiles = run_paged(loaded, ids, chunks, dtype=torch.bfloat16, kernels=kernel_options(amx_tiles=True))
+    # pages of 16 tokens: decode attention takes the tiles too (pages of a multiple of 16), the last one partial
+    tiles = run_paged(loaded, ids, chunks, 16, dtype=torch.bfloat16, kernels=kernel_options(amx_tiles=True))
     # every projection of every layer, each step: the chunks' rows, then one row at a time; each layer's
     # attention of each chunk
     layers = loaded.config.num_layers
@@ -178,7 +179,7 @@ def test_a_model_on_tiles_computes_what_oneDNN_computes(tmp_path, monkeypatch, a
     assert attention == ([25] * layers + [8] * layers if attention_on_tiles else [])
     calls.clear()
     attention.clear()
-    onednn = run_paged(loaded, ids, chunks, dtype=torch.bfloat16, kernels=kernel_options(amx_tiles=False))
+    onednn = run_paged(loaded, ids, chunks, 16, dtype=torch.bfloat16, kernels=kernel_options(amx_tiles=False))
     assert calls == [] and attention == []
     torch.testing.assert_close(tiles, onednn, rtol=0.05, atol=0.05 * float(onednn.abs().max()))
     # the greedy choices agree wherever oneDNN's top two logits are more than a bfloat16 step of the logits'

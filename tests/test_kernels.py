@@ -66,12 +66,18 @@ def test_decode_attention_matches_float32(heads, kv_heads, head_dim, tiles):
     expected = reference(q, kv, tables, ctx, head_dim**-0.5)
     # float32 inside, one bfloat16 rounding at the end: within two bfloat16 steps of the exact result
     torch.testing.assert_close(out.float(), expected, atol=1e-2, rtol=1e-2)
+    if tiles and OPS.attention_tiles() and head_dim % 32 == 0 and heads // kv_heads <= 16:
+        # the tile path ran (its bfloat16 probabilities give other bits than the AVX-512 path's float32 ones)
+        other = torch.empty_like(out)
+        OPS.paged_decode_attention(other, q, kv, tables, ctx, head_dim**-0.5, tiles=False)
+        assert not torch.equal(out, other)
 
 
 @pytest.mark.parametrize("page_size", [1, 4, 32])
 @TILES
 def test_decode_attention_any_page_size(page_size, tiles):
-    """The kernel scores 16 tokens at a time whatever the page size: blocks that span pages, or half a page."""
+    """The kernel scores 16 tokens at a time whatever the page size: blocks that span pages, or half a page. (The
+    tile path takes pages of a multiple of 16 tokens: here 32; 1 and 4 fall back to AVX-512.)"""
     lens = [1, 7, 16, 33, 100]
     q, kv, tables, ctx = random_case(9, 3, 64, lens, page_size=page_size, num_pages=400 // page_size + 8)
     out = torch.empty(len(lens), 9, 64, dtype=torch.bfloat16)

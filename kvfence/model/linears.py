@@ -102,7 +102,8 @@ class PackedLinear(nn.Module):
         step would take the tiles; else the product, then `ops.silu_mul` on its bfloat16 result."""
         if self.gated and self._path(x) == "tiles":
             assert self.kernels is not None and self.tiles is not None
-            return self.kernels.tile_linear(x.reshape(-1, self.in_features), self.tiles, None, 0, True)
+            y = self.kernels.tile_linear(x.reshape(-1, self.in_features), self.tiles, None, 0, True)
+            return y.view(*x.shape[:-1], self.out_features // 2)
         return ops.silu_mul(self.forward(x))
 
     @staticmethod

@@ -108,6 +108,7 @@ inline void score_blocks(float* scores, int64_t ctx, const int64_t* offsets, con
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 constexpr int64_t TOKENS = 16;  // tokens of a score tile (its rows): one page holds a whole number of them
+static_assert(SPAN % TOKENS == 0, "a span starts on a block of 16 tokens, so a full block lies in one page");
 
 // Tiles 0-3: `c_rows` x `c_bytes`; tile 4: 16 x 64 bytes (left operand); tile 5: `b_rows` x `b_bytes` (right).
 inline void configure_decode_tiles(int c_rows, int c_bytes, int a_rows, int b_bytes) {
@@ -298,7 +299,7 @@ void paged_decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor kv
   // the tile path: AMX, the heads' dims in 32s, at most 16 query heads a KV head, pages of whole 16-token blocks
   bool use_tiles = false;
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-  use_tiles = tiles && amx_permitted() && Dh % 32 == 0 && G <= TILE && S % TOKENS == 0;
+  use_tiles = tiles && amx_permitted() && Dh % 32 == 0 && G >= 1 && G <= TILE && S % TOKENS == 0;
 #endif
   (void)tiles;
   const int64_t* tables = block_tables.data_ptr<int64_t>();

@@ -78,7 +78,7 @@ torch::Tensor pack_tiles(torch::Tensor w) {
 // m_block: rows of x per pass over the thread's panels: a pass's first chunk reads a panel from memory, the others
 // find it in L2, as they find x's m_block rows there. 0: as many as fit in 2 MB of x (32 to 1,024), which ran long
 // prefill chunks 9-14% faster than passes of 256 rows at 288-512 rows (docs/performance.md, session 27).
-// silu: the weight was packed from gate and up rows interleaved 16 by 16 (`pack_gated` in linears.py): out [M, N / 2]
+// silu: the weight was packed from gate and up rows interleaved 16 by 16 (`interleave_gated` in linears.py): out [M, N / 2]
 // = silu(x @ gate^T) * (x @ up^T), no bias.
 torch::Tensor tile_linear(torch::Tensor x, torch::Tensor wt, c10::optional<torch::Tensor> bias, int64_t m_block,
                           bool silu) {
