@@ -108,12 +108,8 @@ torch::Tensor silu_mul(torch::Tensor gate_up) {
       bf16_to_f32(g + r * stride + inter, b.data(), inter);
       int64_t i = 0;
 #ifdef __AVX512F__
-      const __m512 one = _mm512_set1_ps(1.0f);
-      for (; i + 16 <= inter; i += 16) {
-        const __m512 g = _mm512_loadu_ps(&a[i]);
-        const __m512 e = exp512(_mm512_sub_ps(_mm512_setzero_ps(), g));
-        _mm512_storeu_ps(&a[i], _mm512_mul_ps(_mm512_div_ps(g, _mm512_add_ps(one, e)), _mm512_loadu_ps(&b[i])));
-      }
+      for (; i + 16 <= inter; i += 16)
+        _mm512_storeu_ps(&a[i], silu_times(_mm512_loadu_ps(&a[i]), _mm512_loadu_ps(&b[i])));
 #endif
       for (; i < inter; ++i) a[i] = a[i] / (1.0f + std::exp(-a[i])) * b[i];
       f32_to_bf16_n(a.data(), o + r * inter, inter);

@@ -44,11 +44,8 @@ inline void put_rows(const float (*c)[TILE * TILE], int first, int rows, const f
 // out[r][16 p + j] = silu(gate) * up of the float32 sums, rounded once (the layer's [T, 2 I] product and silu_mul's
 // pass over it in one).
 inline void put_rows_silu(const float (*c)[TILE * TILE], int first, int rows, uint16_t* out, int64_t ldo) {
-  const __m512 one = _mm512_set1_ps(1.0f);
   for (int r = 0; r < rows; ++r) {
-    const __m512 g = _mm512_load_ps(c[first] + r * TILE), u = _mm512_load_ps(c[first + 1] + r * TILE);
-    const __m512 e = exp512(_mm512_sub_ps(_mm512_setzero_ps(), g));
-    const __m512 y = _mm512_mul_ps(_mm512_div_ps(g, _mm512_add_ps(one, e)), u);
+    const __m512 y = silu_times(_mm512_load_ps(c[first] + r * TILE), _mm512_load_ps(c[first + 1] + r * TILE));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + r * ldo), (__m256i)_mm512_cvtneps_pbh(y));
   }
 }
@@ -78,8 +75,8 @@ torch::Tensor pack_tiles(torch::Tensor w) {
 // m_block: rows of x per pass over the thread's panels: a pass's first chunk reads a panel from memory, the others
 // find it in L2, as they find x's m_block rows there. 0: as many as fit in 2 MB of x (32 to 1,024), which ran long
 // prefill chunks 9-14% faster than passes of 256 rows at 288-512 rows (docs/performance.md, session 27).
-// silu: the weight was packed from gate and up rows interleaved 16 by 16 (`interleave_gated` in linears.py): out [M, N / 2]
-// = silu(x @ gate^T) * (x @ up^T), no bias.
+// silu: the weight was packed from gate and up rows interleaved 16 by 16 (`interleave_gated` in linears.py):
+// out [M, N / 2] = silu(x @ gate^T) * (x @ up^T), no bias.
 torch::Tensor tile_linear(torch::Tensor x, torch::Tensor wt, c10::optional<torch::Tensor> bias, int64_t m_block,
                           bool silu) {
   check_rows(x, "x");
@@ -150,19 +147,15 @@ torch::Tensor tile_linear(torch::Tensor x, torch::Tensor wt, c10::optional<torch
           _tile_stored(1, c[1], 64);
           const float* b = bp ? bp + p * COLS : nullptr;
           uint16_t* dst = op + mc * n_out + p * cols_out;
-          if (silu) {
-            put_rows_silu(c, 0, r0, dst, n_out);
-          } else {
-            put_rows(c, 0, r0, b, dst, n_out);
-          }
+          const auto put = [&](int first, int rows, uint16_t* to) {
+            if (silu) put_rows_silu(c, first, rows, to, n_out);
+            else put_rows(c, first, rows, b, to, n_out);
+          };
+          put(0, r0, dst);
           if (r1 > 0) {
             _tile_stored(2, c[2], 64);
             _tile_stored(3, c[3], 64);
-            if (silu) {
-              put_rows_silu(c, 2, r1, dst + TILE * n_out, n_out);
-            } else {
-              put_rows(c, 2, r1, b, dst + TILE * n_out, n_out);
-            }
+            put(2, r1, dst + TILE * n_out);
           }
         }
       }
