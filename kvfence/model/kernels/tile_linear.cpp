@@ -50,6 +50,16 @@ inline void put_rows_silu(const float (*c)[TILE * TILE], int first, int rows, ui
   }
 }
 
+// Bytes of x a pass keeps in L2: half of this core's L2 as the C library reports it (1 MB of the 2 MB of Sapphire
+// Rapids' cores), or 1 MB where it reports none (some virtual machines).
+inline int64_t x_budget() {
+  static const int64_t bytes = [] {
+    const long l2 = sysconf(_SC_LEVEL2_CACHE_SIZE);
+    return l2 >= (256 << 10) ? int64_t{l2} / 2 : int64_t{1} << 20;
+  }();
+  return bytes;
+}
+
 }  // namespace
 #endif
 
@@ -73,8 +83,10 @@ torch::Tensor pack_tiles(torch::Tensor w) {
 }
 
 // m_block: rows of x per pass over the thread's panels: a pass's first chunk reads a panel from memory, the others
-// find it in L2, as they find x's m_block rows there. 0: as many as fit in 2 MB of x (32 to 1,024), which ran long
-// prefill chunks 9-14% faster than passes of 256 rows at 288-512 rows (docs/performance.md, session 27).
+// find it in L2, as they find x's m_block rows there. 0: as many as fit in half of a core's L2 (`x_budget`; 32 to
+// 1,024 rows): the panels stream through the other half. A budget of the whole L2 (2 MB, session 27) left no room
+// for them and ran chunks of 1,024-2,048 rows 6-13% slower; 256 rows a pass ran 288-512 rows 9-14% slower
+// (docs/performance.md, sessions 27 and 29).
 // silu: the weight was packed from gate and up rows interleaved 16 by 16 (`interleave_gated` in linears.py):
 // out [M, N / 2] = silu(x @ gate^T) * (x @ up^T), no bias.
 torch::Tensor tile_linear(torch::Tensor x, torch::Tensor wt, c10::optional<torch::Tensor> bias, int64_t m_block,
@@ -85,7 +97,7 @@ torch::Tensor tile_linear(torch::Tensor x, torch::Tensor wt, c10::optional<torch
               "wt: a weight packed by pack_tiles");
   const int64_t M = x.size(0), K = x.size(1), panels = wt.size(0), kb = wt.size(1), N = panels * COLS;
   TORCH_CHECK(kb * TILE_K == K && kb > 0, "x: ", K, " columns, the packed weight has ", kb * TILE_K);
-  if (m_block == 0) m_block = std::clamp<int64_t>((int64_t{2} << 20) / (K * 2) / CHUNK * CHUNK, CHUNK, 1024);
+  if (m_block == 0) m_block = std::clamp<int64_t>(x_budget() / (K * 2) / CHUNK * CHUNK, CHUNK, 1024);
   TORCH_CHECK(m_block >= CHUNK && m_block % CHUNK == 0, "m_block: 0 or a positive multiple of ", CHUNK);
   TORCH_CHECK(!(silu && bias.has_value()), "tile_linear: the gated form takes no bias");
   const int64_t n_out = silu ? N / 2 : N, cols_out = silu ? TILE : COLS;
