@@ -50,18 +50,19 @@ inline void put_rows_silu(const float (*c)[TILE * TILE], int first, int rows, ui
   }
 }
 
+}  // namespace
+#endif
+
 // Bytes of x a pass keeps in L2: half of this core's L2 as the C library reports it (1 MB of the 2 MB of Sapphire
-// Rapids' cores), or 1 MB where it reports none (some virtual machines).
-inline int64_t x_budget() {
+// Rapids' cores), or 1 MB where it reports none (some virtual machines). Outside the AMX block: tile_linear checks
+// its arguments on every build.
+static int64_t x_budget() {
   static const int64_t bytes = [] {
     const long l2 = sysconf(_SC_LEVEL2_CACHE_SIZE);
     return l2 >= (256 << 10) ? int64_t{l2} / 2 : int64_t{1} << 20;
   }();
   return bytes;
 }
-
-}  // namespace
-#endif
 
 torch::Tensor pack_tiles(torch::Tensor w) {
   TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == at::kBFloat16 && w.dim() == 2 && w.is_contiguous(),
